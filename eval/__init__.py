@@ -1,0 +1,1 @@
+"""pass@k evaluation of qmc-sampler (``qmc_sampler.eval``)."""

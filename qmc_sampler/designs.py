@@ -1,0 +1,198 @@
+"""Group designs: how the n members of a group get correlated uniforms.
+
+Every design implements one small contract (:class:`GroupDesign`) over arrays of
+draws, so rows of many groups are served in one call. A design is either
+
+* a *code* design (``carries = True``): each member starts from one code
+  c_i ∈ [0, 1) and the residual carry (:mod:`qmc_sampler.carry`) turns it into the
+  next step's uniform — ``lattice``, ``stratified``, ``arithmetic``; or
+* a *per-step* design (``carries = False``): u_{i,t} is given directly —
+  ``iid``, ``sobol``, ``antithetic``.
+
+In every design each member's code / uniforms are exactly U[0, 1) on their own,
+which is what makes every member an exact draw from the model
+(``../shared/design/qmc-math.md`` §2–3).
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC
+from typing import ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from qmc_sampler.counter_rng import Purpose, counter_hash, counter_uniform
+from qmc_sampler.sobol import scrambled_sobol_uniforms
+
+__all__ = ["DESIGNS", "METHODS", "GroupDesign", "get_design", "radical_inverse"]
+
+U64 = NDArray[np.uint64]
+I64 = NDArray[np.int64]
+F64 = NDArray[np.float64]
+
+
+class GroupDesign(ABC):
+    """The contract every design implements (vectorised over draws of many groups).
+
+    Arrays are 1-D and aligned: ``seeds[j]``, ``ns[j]``, ``members[j]`` (and
+    ``steps[j]``) describe draw j, which may belong to any group.
+    """
+
+    name: ClassVar[str]
+    carries: ClassVar[bool]
+    #: True when only n = 2^m gives the design its balance (a warning otherwise).
+    wants_power_of_two: ClassVar[bool] = False
+
+    def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
+        """Each member's initial code c_i ∈ [0, 1) (code designs only)."""
+        raise NotImplementedError(f"{self.name!r} is a per-step design; it has no codes")
+
+    def step_uniforms(self, seeds: U64, ns: I64, members: I64, steps: I64) -> F64:
+        """u_{i,t} ∈ (0, 1) for member i at step t (per-step designs only)."""
+        raise NotImplementedError(f"{self.name!r} is a code design; its uniforms come from the carry")
+
+    def alone_widths(self, ns: I64) -> F64:
+        """Prefix width below which no other member can share a member's prefix.
+
+        Below it a carry member switches to fresh uniforms (qmc-math.md §2,
+        "Precision and alone members"). 0 where the design gives no such guarantee.
+        """
+        return np.zeros(np.shape(ns), dtype=np.float64)
+
+
+def radical_inverse(i: I64, bits: int = 32) -> F64:
+    """Base-2 radical inverse φ2(i): the bits of i mirrored about the binary point."""
+    x = np.asarray(i, dtype=np.uint64)
+    out = np.zeros(x.shape, dtype=np.uint64)
+    for b in range(bits):
+        out |= ((x >> np.uint64(b)) & np.uint64(1)) << np.uint64(bits - 1 - b)
+    return out.astype(np.float64) * 2.0**-bits
+
+
+def _is_power_of_two(ns: I64) -> NDArray[np.bool_]:
+    ns = np.asarray(ns, dtype=np.int64)
+    return (ns > 0) & ((ns & (ns - 1)) == 0)
+
+
+def _group_shift(seeds: U64) -> F64:
+    return counter_uniform(seeds, Purpose.SHIFT, 0, 0)
+
+
+class IIDDesign(GroupDesign):
+    """Independent uniforms for every member and step: ordinary sampling."""
+
+    name = "iid"
+    carries = False
+
+    def step_uniforms(self, seeds: U64, ns: I64, members: I64, steps: I64) -> F64:
+        return counter_uniform(seeds, Purpose.FRESH, members, steps)
+
+
+class LatticeDesign(GroupDesign):
+    """Randomly shifted lattice, c_i = frac(φ2(i) + Δ) for n = 2^m, else frac(i/n + Δ).
+
+    The radical-inverse order makes every aligned block of 2^j members a shifted
+    lattice of size 2^j, so groups extend and sub-groups are valid designs
+    (QuasiMoTTo 2026; qmc-math.md §2 ``lattice``).
+    """
+
+    name = "lattice"
+    carries = True
+
+    def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
+        ns = np.asarray(ns, dtype=np.int64)
+        members = np.asarray(members, dtype=np.int64)
+        base = np.where(_is_power_of_two(ns), radical_inverse(members), members / np.maximum(ns, 1))
+        return np.mod(base + _group_shift(seeds), 1.0)
+
+    def alone_widths(self, ns: I64) -> F64:
+        return 1.0 / np.asarray(ns, dtype=np.float64)
+
+
+class ArithmeticDesign(GroupDesign):
+    """Arithmetic sampling codes c_i = frac((i+1)/(n+1) + Δ) (Vilnis et al. 2023, §3)."""
+
+    name = "arithmetic"
+    carries = True
+
+    def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
+        ns = np.asarray(ns, dtype=np.float64)
+        members = np.asarray(members, dtype=np.float64)
+        return np.mod((members + 1.0) / (ns + 1.0) + _group_shift(seeds), 1.0)
+
+    def alone_widths(self, ns: I64) -> F64:
+        # Codes are 1/(n+1) apart: an interval narrower than that holds one at most.
+        return 1.0 / (np.asarray(ns, dtype=np.float64) + 1.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stratum_of_member(seed: int, n: int) -> I64:
+    # π(i) = rank of member i's hash among the group's n hashes: a uniformly random
+    # permutation (ties have probability ~n²·2^-64).
+    keys = counter_hash(np.uint64(seed), Purpose.PERMUTATION, np.arange(n), 0)
+    ranks = np.empty(n, dtype=np.int64)
+    ranks[np.argsort(keys, kind="stable")] = np.arange(n)
+    return ranks
+
+
+class StratifiedDesign(GroupDesign):
+    """Stratified codes c_i = (π(i) + V_i)/n: one member per stratum, in random order."""
+
+    name = "stratified"
+    carries = True
+
+    def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
+        seeds = np.asarray(seeds, dtype=np.uint64)
+        ns = np.asarray(ns, dtype=np.int64)
+        members = np.asarray(members, dtype=np.int64)
+        strata = np.array(
+            [_stratum_of_member(int(s), int(n))[m] for s, n, m in zip(seeds, ns, members, strict=True)],
+            dtype=np.float64,
+        )
+        jitter = counter_uniform(seeds, Purpose.JITTER, members, 0)
+        return np.minimum((strata + jitter) / ns, np.nextafter(1.0, 0.0))
+
+
+class SobolDesign(GroupDesign):
+    """Token-level QMC: u_{i,t} = coordinate t of point i of a scrambled Sobol' net."""
+
+    name = "sobol"
+    carries = False
+    wants_power_of_two = True
+
+    def step_uniforms(self, seeds: U64, ns: I64, members: I64, steps: I64) -> F64:
+        return scrambled_sobol_uniforms(seeds, members, steps)
+
+
+class AntitheticDesign(GroupDesign):
+    """Members 2j and 2j+1 use (u, 1 − u) at every step; an odd last member is plain."""
+
+    name = "antithetic"
+    carries = False
+
+    def step_uniforms(self, seeds: U64, ns: I64, members: I64, steps: I64) -> F64:
+        members = np.asarray(members, dtype=np.int64)
+        u = counter_uniform(seeds, Purpose.FRESH, members // 2, steps)
+        # 1 − u is exact on the odd-multiples-of-2^-53 grid (counter_rng docstring).
+        return np.where(members % 2 == 1, 1.0 - u, u)
+
+
+DESIGNS: dict[str, GroupDesign] = {
+    d.name: d
+    for d in (IIDDesign(), LatticeDesign(), StratifiedDesign(), ArithmeticDesign(), SobolDesign(), AntitheticDesign())
+}
+METHODS: tuple[str, ...] = tuple(DESIGNS)
+
+
+def get_design(method: str) -> GroupDesign:
+    """The design registered under ``method``.
+
+    Raises:
+        ValueError: ``method`` is not one of :data:`METHODS`.
+    """
+    try:
+        return DESIGNS[method]
+    except (KeyError, TypeError):
+        raise ValueError(f"method={method!r} is not a design; use one of {set(METHODS)}") from None

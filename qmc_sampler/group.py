@@ -1,0 +1,181 @@
+"""Groups and their members' cursors: uniforms in, tokens out, residual carried.
+
+:class:`GroupSpec` names a group (method, n, seed, order). Each sequence being
+generated is one :class:`MemberState`. :func:`sample_members` serves a batch of
+rows from any mix of groups in one call:
+
+1. each row's uniform: the design's u_{i,t} (per-step designs), the carried code
+   (code designs), or a fresh counter-based uniform once the member is *alone*;
+2. the processed distribution (:func:`qmc_sampler.processing.process_logits`);
+3. the inverse CDF (:func:`qmc_sampler.inverse_cdf.inverse_cdf`);
+4. the residual carry u ← (u − F(y⁻)) / q(y) and the prefix width W ← W·q(y).
+   Once W falls below the design's alone width (no other member can share the
+   prefix) or below :data:`PRECISION_FLOOR` (the float64 code has too few bits
+   left), the member continues with fresh uniforms. That switch is a stopping
+   time of the member's own past, so each member stays an exact draw
+   (``../shared/design/qmc-math.md`` §2, "Precision and alone members").
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qmc_sampler.counter_rng import Purpose, counter_uniform, seed_to_u64
+from qmc_sampler.designs import get_design
+from qmc_sampler.inverse_cdf import ORDERS, Draw, inverse_cdf
+from qmc_sampler.processing import process_logits
+
+__all__ = ["PRECISION_FLOOR", "GroupSpec", "MemberState", "sample_members"]
+
+#: Prefix width below which a carried code switches to fresh uniforms: after
+#: consuming 32 of float64's 53 bits the residual still has ~2^-21 relative accuracy.
+PRECISION_FLOOR = 2.0**-32
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One group of correlated samples for one prompt.
+
+    Attributes:
+        method: the design, one of :data:`qmc_sampler.METHODS`.
+        n: group size (≥ 1). For ``lattice``/``sobol`` use n = 2^m for the full
+            balance properties and for extensible groups.
+        seed: group seed (any int); all randomness derives from it.
+        order: vocabulary order, ``"id"`` or ``"sorted"``.
+
+    Raises:
+        ValueError: on an unknown method or order, n < 1, or a non-integer seed/n.
+    """
+
+    method: str
+    n: int
+    seed: int
+    order: str = "id"
+
+    def __post_init__(self) -> None:
+        get_design(self.method)
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r} is not a group size; use an int >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} is not an int; use any Python int")
+        if self.order not in ORDERS:
+            raise ValueError(f"order={self.order!r} is not a vocabulary order; use one of {set(ORDERS)}")
+        if get_design(self.method).wants_power_of_two and self.n & (self.n - 1):
+            warnings.warn(
+                f"method={self.method!r} with n={self.n} (not a power of two): members stay exact, "
+                "but the net's balance only holds for n = 2^m",
+                stacklevel=3,
+            )
+
+
+@dataclass
+class MemberState:
+    """The cursor of one member: where it is, and what its design carries.
+
+    Attributes:
+        spec: the member's group.
+        member: member index in ``[0, spec.n)``.
+        step: number of tokens generated so far (the next draw's step index t).
+        code: the carried residual code (code designs; None before the first draw).
+        width: W, the product of the probabilities of the tokens drawn from the code.
+        fresh: True once the member draws fresh uniforms (alone, or state lost).
+    """
+
+    spec: GroupSpec
+    member: int
+    step: int = 0
+    code: float | None = None
+    width: float = 1.0
+    fresh: bool = False
+
+
+def member_uniforms(states: Sequence[MemberState]) -> np.ndarray:
+    """The uniform each member uses for its next draw, ``[len(states)] float64``."""
+    out = np.empty(len(states), dtype=np.float64)
+    by_method: dict[str, list[int]] = {}
+    for j, s in enumerate(states):
+        by_method.setdefault(s.spec.method, []).append(j)
+    for method, rows in by_method.items():
+        design = get_design(method)
+        seeds = np.array([seed_to_u64(states[j].spec.seed) for j in rows], dtype=np.uint64)
+        ns = np.array([states[j].spec.n for j in rows], dtype=np.int64)
+        members = np.array([states[j].member for j in rows], dtype=np.int64)
+        steps = np.array([states[j].step for j in rows], dtype=np.int64)
+        if not design.carries:
+            out[rows] = design.step_uniforms(seeds, ns, members, steps)
+            continue
+        need_code = np.array([states[j].code is None and not states[j].fresh for j in rows])
+        if need_code.any():
+            codes = design.start_codes(seeds[need_code], ns[need_code], members[need_code])
+            for j, c in zip(np.asarray(rows)[need_code], codes, strict=True):
+                states[j].code = float(c)
+        fresh = np.array([states[j].fresh for j in rows])
+        fresh_u = counter_uniform(seeds, Purpose.FRESH, members, steps)
+        out[rows] = np.where(fresh, fresh_u, [0.0 if states[j].code is None else states[j].code for j in rows])
+    return out
+
+
+def advance(states: Sequence[MemberState], draw: Draw, uniforms: np.ndarray) -> None:
+    """Carry each member past its draw: step + 1, residual code, prefix width."""
+    starts = draw.starts.cpu().numpy()
+    probs = draw.probs.cpu().numpy()
+    for j, s in enumerate(states):
+        s.step += 1
+        design = get_design(s.spec.method)
+        if not design.carries or s.fresh:
+            continue
+        residual = (uniforms[j] - starts[j]) / probs[j]
+        # Rounding can push the quotient to 1.0 (or a hair below 0); the interval
+        # is half-open, so clamp into [0, 1).
+        s.code = min(max(residual, 0.0), math.nextafter(1.0, 0.0))
+        s.width *= float(probs[j])
+        alone = float(design.alone_widths(np.array([s.spec.n]))[0])
+        if s.width < max(alone, PRECISION_FLOOR):
+            s.fresh = True
+
+
+def sample_members(
+    logits: torch.Tensor,
+    states: Sequence[MemberState],
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> Draw:
+    """Draw one token per row from its member's design and advance the members.
+
+    Args:
+        logits: ``[batch, vocab]`` raw logits, row j for ``states[j]``; not modified.
+        states: one :class:`MemberState` per row; advanced in place.
+        temperature, top_k, top_p, min_p: ``[batch]`` tensors, vLLM semantics
+            (see :func:`qmc_sampler.processing.process_logits`).
+
+    Returns:
+        :class:`qmc_sampler.inverse_cdf.Draw` for the batch.
+
+    Raises:
+        ValueError: a row has NaN logits or no admissible token.
+    """
+    processed = process_logits(logits, temperature, top_k, top_p, min_p)
+    uniforms = member_uniforms(states)
+    u = torch.from_numpy(uniforms)
+    orders = {s.spec.order for s in states}
+    if len(orders) == 1:
+        draw = inverse_cdf(processed, u, order=orders.pop())
+    else:
+        tokens = torch.empty(len(states), dtype=torch.int64, device=logits.device)
+        starts = torch.empty(len(states), dtype=torch.float64, device=logits.device)
+        probs = torch.empty_like(starts)
+        for order in orders:
+            rows = torch.tensor([j for j, s in enumerate(states) if s.spec.order == order], device=logits.device)
+            part = inverse_cdf(processed[rows], u[rows.cpu()], order=order)
+            tokens[rows], starts[rows], probs[rows] = part.tokens, part.starts, part.probs
+        draw = Draw(tokens=tokens, starts=starts, probs=probs)
+    advance(states, draw, uniforms)
+    return draw

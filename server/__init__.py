@@ -1,0 +1,1 @@
+"""OpenAI-compatible server of qmc-sampler (``qmc_sampler.server``)."""

@@ -1,0 +1,112 @@
+"""Shared fixtures: a toy autoregressive model whose exact distributions are known."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+#: Family-wise significance of every statistical test file; each file divides it
+#: among its tests (Bonferroni) and states how.
+FAMILY_ALPHA = 1e-3
+
+
+@dataclass(frozen=True)
+class ToyModel:
+    """A tabular next-token model over a small vocabulary, with fixed random logits per prefix."""
+
+    vocab: int
+    depth: int
+    table: dict[tuple[int, ...], torch.Tensor]
+
+    def next_logits(self, prefixes: list[list[int]]) -> torch.Tensor:
+        return torch.stack(
+            [self.table[tuple(p[-self.depth :])] if len(p) >= self.depth else self.table[tuple(p)] for p in prefixes]
+        )
+
+    def batched_logits(self, prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+        return torch.stack([self.table[p] for p in prefixes])
+
+
+def make_toy_model(vocab: int, depth: int, seed: int, scale: float = 1.5) -> ToyModel:
+    gen = torch.Generator().manual_seed(seed)
+    table = {}
+    for length in range(depth):
+        for prefix in itertools.product(range(vocab), repeat=length):
+            table[prefix] = torch.randn(vocab, generator=gen) * scale
+    return ToyModel(vocab=vocab, depth=depth, table=table)
+
+
+@pytest.fixture(scope="session")
+def toy_model() -> ToyModel:
+    """Vocabulary 4, distributions for prefixes of length 0..2 (three sampled steps)."""
+    return make_toy_model(vocab=4, depth=3, seed=1234)
+
+
+def reference_processed_probs(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray:
+    """An independent, per-row numpy statement of vLLM's processed distribution (no ties)."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if 0 < top_k < len(x):
+        kth = np.sort(np.where(keep, x, -np.inf))[-top_k]
+        keep &= x >= kth
+    if top_p < 1.0:
+        order = np.argsort(np.where(keep, x, -np.inf), kind="stable")  # ascending
+        pk = np.where(keep, p, 0.0)
+        pk = pk / pk.sum()
+        cum = np.cumsum(pk[order])
+        drop = cum <= 1 - top_p
+        drop[-1] = False
+        keep[order[drop]] = False
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.fixture(scope="session")
+def processed_reference():
+    """:func:`reference_processed_probs` as a fixture (tests cannot import conftest)."""
+    return reference_processed_probs
+
+
+@pytest.fixture(scope="session")
+def toy_factory():
+    """:func:`make_toy_model` as a fixture."""
+    return make_toy_model
+
+
+def run_groups(model: ToyModel, specs, steps: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """Sample every member of every group in ``specs`` for ``steps`` steps, all rows in one batch.
+
+    Returns ``[len(specs), n, steps]`` int array (all specs share n).
+    """
+    from qmc_sampler import MemberState, sample_members
+
+    states = [MemberState(spec=s, member=i) for s in specs for i in range(s.n)]
+    seqs: list[tuple[int, ...]] = [() for _ in states]
+    rows = len(states)
+    for _ in range(steps):
+        logits = model.batched_logits([q[-(model.depth - 1) :] if len(q) >= model.depth else q for q in seqs])
+        draw = sample_members(
+            logits,
+            states,
+            torch.full((rows,), float(temperature)),
+            torch.full((rows,), top_k),
+            torch.full((rows,), float(top_p)),
+            torch.full((rows,), float(min_p)),
+        )
+        seqs = [(*q, t) for q, t in zip(seqs, draw.tokens.tolist(), strict=True)]
+    n = specs[0].n
+    return np.array(seqs, dtype=np.int64).reshape(len(specs), n, steps)
+
+
+@pytest.fixture(scope="session")
+def group_runner():
+    """:func:`run_groups` as a fixture."""
+    return run_groups

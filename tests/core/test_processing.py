@@ -1,0 +1,78 @@
+"""The processed distribution matches vLLM's definitions (temperature, min-p, top-k, top-p)."""
+
+import numpy as np
+import pytest
+import torch
+
+from qmc_sampler import process_logits
+
+CONFIGS = [
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 1.0, 0.0),
+    (1.3, 5, 1.0, 0.0),
+    (1.0, 0, 0.8, 0.0),
+    (1.0, 0, 1.0, 0.1),
+    (0.8, 10, 0.9, 0.05),
+    (1.0, 1, 1.0, 0.0),
+    (2.0, 0, 0.05, 0.0),
+]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), CONFIGS)
+def test_matches_an_independent_statement_of_vllms_rules(processed_reference, temperature, top_k, top_p, min_p):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2
+    out = process_logits(
+        logits,
+        torch.full((6,), temperature),
+        torch.full((6,), top_k),
+        torch.full((6,), top_p),
+        torch.full((6,), min_p),
+    )
+    probs = torch.softmax(out.double(), dim=-1).numpy()
+    for row in range(6):
+        expected = processed_reference(logits[row].numpy(), temperature, top_k, top_p, min_p)
+        np.testing.assert_allclose(probs[row], expected, atol=1e-6)
+
+
+def test_rows_keep_their_own_parameters():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(1))
+    out = process_logits(logits, torch.ones(3), torch.tensor([0, 3, 30]), torch.tensor([1.0, 1.0, 0.5]), None)
+    finite = torch.isfinite(out).sum(dim=-1).tolist()
+    assert finite[0] == 30 and finite[1] == 3 and finite[2] < 30
+
+
+def test_ties_at_the_kth_logit_are_kept_like_vllm():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.5]])
+    out = process_logits(logits, torch.ones(1), torch.tensor([2]), None, None)
+    assert torch.isfinite(out).tolist() == [[False, True, True, False]]
+
+
+def test_input_is_not_modified():
+    logits = torch.randn(2, 10)
+    before = logits.clone()
+    process_logits(
+        logits, torch.full((2,), 0.5), torch.tensor([3, 0]), torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0])
+    )
+    torch.testing.assert_close(logits, before)
+
+
+vllm_ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler", reason="vLLM not installed")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_equals_vllms_own_top_k_top_p_and_min_p(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, vocab = 8, 500
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    temperature = torch.rand(batch, generator=gen) + 0.5
+    k = torch.randint(1, vocab + 1, (batch,), generator=gen)
+    p = torch.rand(batch, generator=gen) * 0.9 + 0.1
+    min_p = torch.rand(batch, generator=gen) * 0.05
+    ours = process_logits(logits, temperature, k, p, min_p)
+    # vLLM's own pipeline: temperature, MinPLogitsProcessor.apply's rule, apply_top_k_top_p_pytorch.
+    theirs = logits / temperature.unsqueeze(1)
+    probs = torch.softmax(theirs, dim=-1)
+    theirs = theirs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1), float("-inf"))
+    theirs = vllm_ops.apply_top_k_top_p_pytorch(theirs.clone(), k.clone(), p.clone())
+    torch.testing.assert_close(torch.isfinite(ours), torch.isfinite(theirs))
+    torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])

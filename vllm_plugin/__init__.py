@@ -1,0 +1,1 @@
+"""vLLM integration of qmc-sampler (``qmc_sampler.vllm_plugin``)."""
