@@ -31,7 +31,15 @@ from qmc_sampler.designs import get_design
 from qmc_sampler.inverse_cdf import ORDERS, Draw, inverse_cdf
 from qmc_sampler.processing import process_logits
 
-__all__ = ["PRECISION_FLOOR", "GroupSpec", "MemberState", "sample_members"]
+__all__ = [
+    "PRECISION_FLOOR",
+    "GroupSpec",
+    "MemberState",
+    "carry_member",
+    "draw_members",
+    "member_uniforms",
+    "sample_members",
+]
 
 #: Prefix width below which a carried code switches to fresh uniforms: after
 #: consuming 32 of float64's 53 bits the residual still has ~2^-21 relative accuracy.
@@ -121,23 +129,64 @@ def member_uniforms(states: Sequence[MemberState]) -> np.ndarray:
     return out
 
 
+def carry_member(state: MemberState, uniform: float, start: float, prob: float) -> None:
+    """Carry one member past an accepted draw: step + 1, residual code, prefix width.
+
+    Args:
+        state: the member; updated in place.
+        uniform: the u it drew with; ``start``, ``prob``: the token's CDF interval.
+    """
+    state.step += 1
+    design = get_design(state.spec.method)
+    if not design.carries or state.fresh:
+        return
+    # Rounding can push the quotient to 1.0 (or a hair below 0); the interval is
+    # half-open, so clamp into [0, 1).
+    state.code = min(max((uniform - start) / prob, 0.0), math.nextafter(1.0, 0.0))
+    state.width *= prob
+    alone = float(design.alone_widths(np.array([state.spec.n]))[0])
+    if state.width < max(alone, PRECISION_FLOOR):
+        state.fresh = True
+
+
 def advance(states: Sequence[MemberState], draw: Draw, uniforms: np.ndarray) -> None:
-    """Carry each member past its draw: step + 1, residual code, prefix width."""
+    """Carry every member of a batch past its draw (see :func:`carry_member`)."""
     starts = draw.starts.cpu().numpy()
     probs = draw.probs.cpu().numpy()
     for j, s in enumerate(states):
-        s.step += 1
-        design = get_design(s.spec.method)
-        if not design.carries or s.fresh:
-            continue
-        residual = (uniforms[j] - starts[j]) / probs[j]
-        # Rounding can push the quotient to 1.0 (or a hair below 0); the interval
-        # is half-open, so clamp into [0, 1).
-        s.code = min(max(residual, 0.0), math.nextafter(1.0, 0.0))
-        s.width *= float(probs[j])
-        alone = float(design.alone_widths(np.array([s.spec.n]))[0])
-        if s.width < max(alone, PRECISION_FLOOR):
-            s.fresh = True
+        carry_member(s, float(uniforms[j]), float(starts[j]), float(probs[j]))
+
+
+def draw_members(
+    logits: torch.Tensor,
+    states: Sequence[MemberState],
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> tuple[Draw, np.ndarray]:
+    """Draw one token per row from its member's design, leaving the members unchanged.
+
+    Engines that may discard a draw (vLLM's chunked prefill) commit it later with
+    :func:`carry_member`. Arguments as :func:`sample_members`.
+
+    Returns:
+        the :class:`Draw` and the ``[batch] float64`` uniforms used.
+    """
+    processed = process_logits(logits, temperature, top_k, top_p, min_p)
+    uniforms = member_uniforms(states)
+    u = torch.from_numpy(uniforms)
+    orders = {s.spec.order for s in states}
+    if len(orders) == 1:
+        return inverse_cdf(processed, u, order=orders.pop()), uniforms
+    tokens = torch.empty(len(states), dtype=torch.int64, device=logits.device)
+    starts = torch.empty(len(states), dtype=torch.float64, device=logits.device)
+    probs = torch.empty_like(starts)
+    for order in orders:
+        rows = torch.tensor([j for j, s in enumerate(states) if s.spec.order == order], device=logits.device)
+        part = inverse_cdf(processed[rows], u[rows.cpu()], order=order)
+        tokens[rows], starts[rows], probs[rows] = part.tokens, part.starts, part.probs
+    return Draw(tokens=tokens, starts=starts, probs=probs), uniforms
 
 
 def sample_members(
@@ -162,20 +211,6 @@ def sample_members(
     Raises:
         ValueError: a row has NaN logits or no admissible token.
     """
-    processed = process_logits(logits, temperature, top_k, top_p, min_p)
-    uniforms = member_uniforms(states)
-    u = torch.from_numpy(uniforms)
-    orders = {s.spec.order for s in states}
-    if len(orders) == 1:
-        draw = inverse_cdf(processed, u, order=orders.pop())
-    else:
-        tokens = torch.empty(len(states), dtype=torch.int64, device=logits.device)
-        starts = torch.empty(len(states), dtype=torch.float64, device=logits.device)
-        probs = torch.empty_like(starts)
-        for order in orders:
-            rows = torch.tensor([j for j, s in enumerate(states) if s.spec.order == order], device=logits.device)
-            part = inverse_cdf(processed[rows], u[rows.cpu()], order=order)
-            tokens[rows], starts[rows], probs[rows] = part.tokens, part.starts, part.probs
-        draw = Draw(tokens=tokens, starts=starts, probs=probs)
+    draw, uniforms = draw_members(logits, states, temperature, top_k, top_p, min_p)
     advance(states, draw, uniforms)
     return draw

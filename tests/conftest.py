@@ -110,3 +110,41 @@ def run_groups(model: ToyModel, specs, steps: int, temperature=1.0, top_k=0, top
 def group_runner():
     """:func:`run_groups` as a fixture."""
     return run_groups
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random 2-layer Llama (head size 64) with a BPE tokenizer and chat template."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("tiny_model", pathlib.Path(__file__).with_name("tiny_model.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def make_llm(model_dir: str, **overrides):
+    """A vLLM engine on the CPU for tests (tiny KV cache, eager, float32)."""
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    kwargs = dict(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
+    return LLM(**(kwargs | overrides))
+
+
+@pytest.fixture(scope="session")
+def llm_factory():
+    """:func:`make_llm` as a fixture; test modules own (and share) the engines they build and shut
+    them down with ``engine.llm_engine.engine_core.shutdown()``."""
+    return make_llm
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    """The same weights in transformers, for the model's own next-token probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
