@@ -11,9 +11,12 @@ and discards; ``vllm/v1/worker/gpu_model_runner.py::_bookkeeping_sync``). So:
 * members get indices in their group in order of arrival (or the caller's
   ``qmc_index``); vLLM's children of one ``n > 1`` request arrive in child order,
   and any bijection gives a valid group since children are exchangeable;
-* a removed row (finished or preempted — vLLM does not say which) is *parked*;
-  a row re-added with a parked member's exact token history gets that member
-  back, state and all. Parked members are kept in an LRU of bounded size; a
+* a removed row (finished or preempted — vLLM does not say which) is *parked*.
+  A re-added row gets its member back, state and all, by identity: vLLM keeps a
+  preempted request's worker state, so the V1 runner re-adds the very same
+  output-id list (MRV2: the same params object). Where that identity is gone
+  (async scheduling swaps the list on resume) the member is matched by its exact
+  token history. Parked members are kept in an LRU of bounded size; a
   member that cannot be recovered continues with fresh counter-based uniforms
   (still an exact draw) and is counted in a log line.
 """
@@ -69,6 +72,7 @@ class Row:
     temperature: float
     min_p: float
     output_ids: list[int] | None = None  # V1: the engine's list, grows in place
+    key: object = None  # what identifies the request across removal (see module docstring)
     pending: Pending | None = None
     history: int = 0  # token_history of the committed tokens
 
@@ -124,22 +128,31 @@ class GroupRegistry:
     max_groups: int = 65_536
     max_parked: int = 65_536
     next_index: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    parked: OrderedDict[int, Row] = field(default_factory=OrderedDict)
+    parked: OrderedDict[int, Row] = field(default_factory=OrderedDict)  # LRU over all groups
+    parked_by_group: dict[str, dict[int, Row]] = field(default_factory=dict)
     stats: RegistryStats = field(default_factory=RegistryStats)
 
     def admit(
         self,
         request: QMCRequest,
-        output_ids: Sequence[int],
+        output_ids: Sequence[int] | None,
         *,
+        key: object = None,
         top_k: int,
         top_p: float,
         temperature: float,
         min_p: float,
     ) -> Row:
-        """The row for a request entering the batch: a parked member, or a new one."""
-        done = len(output_ids)
-        row = self._unpark(request.group, output_ids)
+        """The row for a request entering the batch: its parked member, or a new one.
+
+        Args:
+            request: the request's placement (from ``extra_args``).
+            output_ids: tokens it has generated so far; None where the engine does
+                not say at admission (MRV2).
+            key: the object that identifies the request across removal and re-adding.
+        """
+        done = len(output_ids) if output_ids is not None else 0
+        row = self._unpark(request.group, key, output_ids)
         if row is not None:
             self.stats.restored += 1
             logger.info(
@@ -153,7 +166,7 @@ class GroupRegistry:
         member = request.index if request.index is not None else self._next_member(request.group)
         spec = GroupSpec(request.method, request.n, request.seed, request.order)
         state = MemberState(spec=spec, member=member)
-        row = Row(request=request, state=state, top_k=top_k, top_p=top_p, temperature=temperature, min_p=min_p)
+        row = Row(request=request, state=state, top_k=top_k, top_p=top_p, temperature=temperature, min_p=min_p, key=key)
         if member >= request.n:
             # More arrivals than the group has members (e.g. children spread over
             # data-parallel engines): keep exactness, give up correlation for this one.
@@ -172,8 +185,17 @@ class GroupRegistry:
     def park(self, row: Row) -> None:
         """Keep a removed row's member in case the request comes back (preemption)."""
         self.parked[id(row)] = row
+        self.parked_by_group.setdefault(row.request.group, {})[id(row)] = row
         while len(self.parked) > self.max_parked:
-            self.parked.popitem(last=False)
+            _, old = self.parked.popitem(last=False)
+            self._forget(old)
+
+    def _forget(self, row: Row) -> None:
+        group = self.parked_by_group.get(row.request.group)
+        if group is not None:
+            group.pop(id(row), None)
+            if not group:
+                del self.parked_by_group[row.request.group]
 
     def _next_member(self, group: str) -> int:
         member = self.next_index.pop(group, 0)
@@ -182,18 +204,38 @@ class GroupRegistry:
             self.next_index.popitem(last=False)
         return member
 
-    def _unpark(self, group: str, output_ids: Sequence[int]) -> Row | None:
-        done = len(output_ids)
-        candidates = [r for r in self.parked.values() if r.request.group == group]
+    def _unpark(self, group: str, key: object, output_ids: Sequence[int] | None) -> Row | None:
+        candidates = list(self.parked_by_group.get(group, {}).values())
         if not candidates:
             return None
+        found = None
+        if key is not None:
+            found = next((r for r in candidates if r.key is key), None)
+        # History is only a fallback for rows that already have output: a new
+        # request arrives with none, and must never take a parked sibling's member.
+        if found is None and output_ids:
+            found = self._match_history(candidates, output_ids)
+        if found is not None:
+            del self.parked[id(found)]
+            self._forget(found)
+        return found
+
+    @staticmethod
+    def _match_history(candidates: list[Row], output_ids: Sequence[int]) -> Row | None:
+        # Most specific first: a member whose state is exactly at this history, then
+        # one whose pending draw is the last accepted token, then one whose pending
+        # draw was discarded. Ties are siblings with equal histories: interchangeable.
+        done = len(output_ids)
         full = token_history(output_ids)
         head = token_history(output_ids[:-1]) if done else None
-        for row in candidates:
-            step = row.state.step
-            same = step == done and row.history == full
-            one_more = step + 1 == done and row.pending is not None and row.history == head
-            if same or one_more:
-                del self.parked[id(row)]
-                return row
-        return None
+        last = output_ids[-1] if done else None
+        tiers = (
+            [r for r in candidates if r.state.step == done and r.history == full and r.pending is None],
+            [
+                r
+                for r in candidates
+                if r.state.step + 1 == done and r.history == head and r.pending is not None and r.pending.token == last
+            ],
+            [r for r in candidates if r.state.step == done and r.history == full],
+        )
+        return next((tier[0] for tier in tiers if tier), None)

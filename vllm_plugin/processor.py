@@ -44,7 +44,7 @@ try:  # Model Runner V2 ships with vLLM >= 0.32; absent elsewhere.
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     V2LogitsProcessor = object  # type: ignore[assignment,misc]
 
-__all__ = ["QMCLogitsProcessor"]
+__all__ = ["QMCLogitsProcessor", "plugin_stats"]
 
 
 class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
@@ -70,7 +70,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         """True: greedy rows are never modified (see module docstring)."""
         return True
 
-    def _new_row(self, params: Any, output_ids: list[int]) -> Row | None:
+    def _new_row(self, params: Any, output_ids: list[int] | None, key: object) -> Row | None:
         request = read_request(params.extra_args)
         if request is None:
             return None
@@ -78,6 +78,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         return self.registry.admit(
             request,
             output_ids,
+            key=key,
             top_k=top_k,
             top_p=float(params.top_p),
             temperature=float(params.temperature),
@@ -119,7 +120,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
                 self.registry.park(old)
             if params is None or params.temperature < 1e-5:
                 continue
-            row = self._new_row(params, output_ids)
+            row = self._new_row(params, output_ids, key=output_ids)
             if row is not None:
                 row.output_ids = output_ids
                 self.rows[index] = row
@@ -127,8 +128,13 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
             if ra is not None:
                 self.rows[b] = ra
-            if direction == MoveDirectionality.SWAP and rb is not None:
-                self.rows[a] = rb
+            if rb is not None:
+                if direction == MoveDirectionality.SWAP:
+                    self.rows[a] = rb
+                else:
+                    # Condensing moves a row onto a slot whose request left the batch;
+                    # that removal is not listed in `removed` (the move refills it).
+                    self.registry.park(rb)
 
     def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         """Impose the members' tokens on their rows (V1: ``apply(logits)``; MRV2: ``apply(logits, ctx)``)."""
@@ -153,7 +159,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             self.registry.park(old)
         if sampling_params.temperature < 1e-5:
             return False
-        row = self._new_row(sampling_params, [])
+        row = self._new_row(sampling_params, None, key=sampling_params)
         if row is None:
             return False
         self.rows[req_idx] = row
@@ -184,3 +190,23 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         if rows:
             self._impose(logits, row_ids, rows, temperature_applied=False)
         return logits
+
+
+def plugin_stats(worker: Any) -> dict[str, int]:
+    """The plugin's counters in one vLLM worker, for ``LLM.collective_rpc(plugin_stats)``.
+
+    Returns:
+        ``{"restored": members resumed with their state after preemption,
+        "lost": members that continued with fresh uniforms, "overflow": arrivals
+        beyond a group's n, "rows": rows currently tracked}`` summed over the
+        worker's processor instances (V1 runner).
+    """
+    totals = {"restored": 0, "lost": 0, "overflow": 0, "rows": 0}
+    for proc in worker.model_runner.input_batch.logitsprocs.all:
+        if isinstance(proc, QMCLogitsProcessor):
+            stats = proc.registry.stats
+            totals["restored"] += stats.restored
+            totals["lost"] += stats.lost_members
+            totals["overflow"] += stats.overflow
+            totals["rows"] += len(proc.rows)
+    return totals

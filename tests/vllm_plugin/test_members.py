@@ -72,3 +72,22 @@ def test_members_beyond_n_fall_back_to_fresh_uniforms():
 def test_token_history_tells_sequences_apart():
     assert token_history([1, 2]) != token_history([2, 1])
     assert token_history([]) != token_history([0])
+
+
+def test_a_new_request_never_takes_a_parked_siblings_member():
+    reg = GroupRegistry()
+    first = reg.admit(REQ, [], key=object(), **KW)
+    first.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.park(first)  # preempted before its first token was known to be accepted
+    newcomer = reg.admit(REQ, [], key=object(), **KW)
+    assert newcomer is not first and newcomer.state.member == 1
+    owner_ids = [7]
+    assert reg.admit(REQ, owner_ids, key=first.key, **KW) is first
+
+
+def test_identity_wins_over_history():
+    reg = GroupRegistry()
+    a, b = reg.admit(REQ, [], key="a", **KW), reg.admit(REQ, [], key="b", **KW)
+    reg.park(a)
+    reg.park(b)
+    assert reg.admit(REQ, [], key="b", **KW) is b
