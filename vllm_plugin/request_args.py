@@ -38,7 +38,7 @@ from qmc_sampler.designs import METHODS
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.processing import SAMPLING_EPS
 
-__all__ = ["ENV_METHOD", "ENV_ORDER", "KEYS", "QMCRequest", "read_request", "resolve"]
+__all__ = ["ENV_METHOD", "ENV_ORDER", "KEYS", "QMCRequest", "check_extra_args", "read_request", "resolve"]
 
 ENV_METHOD = "QMC_SAMPLER"
 ENV_ORDER = "QMC_SAMPLER_ORDER"
@@ -69,7 +69,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(extra: dict[str, Any]) -> None:
+def check_extra_args(extra: dict[str, Any]) -> None:
+    """Validate the plugin's keys in a flat ``extra_args`` / ``vllm_xargs`` dict.
+
+    Raises:
+        ValueError: naming the key and its allowed values.
+    """
     unknown = sorted(k for k in extra if k.startswith("qmc_") and k not in KEYS)
     if unknown:
         raise ValueError(f"unknown extra_args/vllm_xargs key {unknown[0]!r}; the plugin's keys are {list(KEYS)}")
@@ -132,7 +137,7 @@ def resolve(params: Any) -> QMCRequest | None:
         del extra[key]
     if stale:
         params.extra_args = extra
-    _check(extra)
+    check_extra_args(extra)
     env_method = _env_default(ENV_METHOD, METHODS)
     env_order = _env_default(ENV_ORDER, ORDERS)
     method = extra.get("qmc_method")
