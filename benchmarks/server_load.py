@@ -97,7 +97,7 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=60)
     latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(round(0.99 * (len(latencies) - 1))))] if latencies else float("nan")
+    p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))] if latencies else float("nan")
     print(f"requests: {args.requests} (n = 8 each), concurrency {args.concurrency}, max_tokens {args.max_tokens}")
     print(f"completed: {len(latencies)}, errors: {errors}, wall: {wall:.1f} s")
     if latencies:
