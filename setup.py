@@ -3,13 +3,56 @@
 Everything installs under one import namespace, ``qmc_sampler``: the top-level
 folders ``vllm_plugin/``, ``server/`` and ``eval/`` become ``qmc_sampler.vllm_plugin``,
 ``qmc_sampler.server`` and ``qmc_sampler.eval`` through ``package_dir``.
+
+The fused CPU kernel (``csrc/cpu_sampling.cpp``) is built as the torch extension
+``qmc_sampler._C`` when torch is importable at build time (``pip install
+--no-build-isolation``, as the Makefile does). No torch, no compiler or a failed
+build only prints a warning: the package then uses its pure-torch path.
 """
+
+import os
+import platform
+import warnings
 
 from setuptools import setup
 
 SUBPACKAGES = {"vllm_plugin": "vllm_plugin", "server": "server", "eval": "eval"}
 
+
+def _extensions() -> tuple[list, dict]:
+    if os.environ.get("QMC_SAMPLER_NO_EXT"):
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        warnings.warn(
+            "qmc-sampler: torch is not importable at build time, so the fused CPU kernel is not built "
+            "(pure-torch path); install with --no-build-isolation to build it",
+            stacklevel=1,
+        )
+        return [], {}
+    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-mavx2", "-mfma"]  # the loader checks the CPU has AVX2 before importing it
+
+    class SafeBuildExtension(BuildExtension):
+        """Build the kernel if possible; otherwise warn once and install without it."""
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as e:  # a missing or failing compiler must not break the install
+                warnings.warn(f"qmc-sampler: building {ext.name} failed ({e}); using the pure-torch path", stacklevel=1)
+
+    ext = CppExtension("qmc_sampler._C", ["csrc/cpu_sampling.cpp"], extra_compile_args=flags)
+    return [ext], {"build_ext": SafeBuildExtension}
+
+
+ext_modules, cmdclass = _extensions()
+
 setup(
     packages=["qmc_sampler", *(f"qmc_sampler.{name}" for name in SUBPACKAGES)],
     package_dir={"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{k}": v for k, v in SUBPACKAGES.items()}},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

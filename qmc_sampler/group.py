@@ -6,8 +6,9 @@ rows from any mix of groups in one call:
 
 1. each row's uniform: the design's u_{i,t} (per-step designs), the carried code
    (code designs), or a fresh counter-based uniform once the member is *alone*;
-2. the processed distribution (:func:`qmc_sampler.processing.process_logits`);
-3. the inverse CDF (:func:`qmc_sampler.inverse_cdf.inverse_cdf`);
+2. the processed distribution (:func:`qmc_sampler.processing.process_logits`) and
+3. the inverse CDF (:func:`qmc_sampler.inverse_cdf.inverse_cdf`), fused on the
+   fastest backend (:mod:`qmc_sampler.kernels`);
 4. the residual carry u ← (u − F(y⁻)) / q(y) and the prefix width W ← W·q(y).
    Once W falls below the design's alone width (no other member can share the
    prefix) or below :data:`PRECISION_FLOOR` (the float64 code has too few bits
@@ -28,8 +29,8 @@ import torch
 
 from qmc_sampler.counter_rng import Purpose, counter_uniform, seed_to_u64
 from qmc_sampler.designs import get_design
-from qmc_sampler.inverse_cdf import ORDERS, Draw, inverse_cdf
-from qmc_sampler.processing import process_logits
+from qmc_sampler.inverse_cdf import ORDERS, Draw
+from qmc_sampler.kernels import fused_draw
 
 __all__ = [
     "PRECISION_FLOOR",
@@ -173,19 +174,30 @@ def draw_members(
     Returns:
         the :class:`Draw` and the ``[batch] float64`` uniforms used.
     """
-    processed = process_logits(logits, temperature, top_k, top_p, min_p)
     uniforms = member_uniforms(states)
     u = torch.from_numpy(uniforms)
     orders = {s.spec.order for s in states}
     if len(orders) == 1:
-        return inverse_cdf(processed, u, order=orders.pop()), uniforms
+        return fused_draw(logits, u, temperature, top_k, top_p, min_p, orders.pop()), uniforms
     tokens = torch.empty(len(states), dtype=torch.int64, device=logits.device)
     starts = torch.empty(len(states), dtype=torch.float64, device=logits.device)
     probs = torch.empty_like(starts)
     for order in orders:
         rows = torch.tensor([j for j, s in enumerate(states) if s.spec.order == order], device=logits.device)
-        part = inverse_cdf(processed[rows], u[rows.cpu()], order=order)
-        tokens[rows], starts[rows], probs[rows] = part.tokens, part.starts, part.probs
+        part = fused_draw(
+            logits[rows],
+            u[rows.cpu()],
+            temperature[rows.cpu()],
+            None if top_k is None else top_k[rows.cpu()],
+            None if top_p is None else top_p[rows.cpu()],
+            None if min_p is None else min_p[rows.cpu()],
+            order,
+        )
+        tokens[rows], starts[rows], probs[rows] = (
+            part.tokens.to(tokens.device),
+            part.starts.to(starts.device),
+            part.probs.to(probs.device),
+        )
     return Draw(tokens=tokens, starts=starts, probs=probs), uniforms
 
 

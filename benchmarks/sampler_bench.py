@@ -1,0 +1,126 @@
+"""Sampling-step cost: the fused kernel vs the torch path vs vLLM's own sampler, same logits.
+
+For each batch × vocab × filter setting it times, in this one process and
+alternating between them:
+
+* ``fused``  — ``qmc_sampler.kernels.fused_draw`` on the fastest backend (the C++
+  kernel on CPU): temperature, top-k/top-p, CDF and choice in one pass per row;
+* ``torch``  — the pure-torch reference (``process_logits`` + ``inverse_cdf``);
+* ``vllm``   — vLLM's ``TopKTopPSampler`` as vLLM runs it on this device (on CPU:
+  ``apply_top_k_top_p`` then the fused Gumbel-argmax op), after vLLM's
+  temperature division.
+
+It prints medians (ms), ratios against vLLM (< 1: faster than vLLM), and the
+memory-bandwidth floor: the time to read the logits once at the measured copy
+bandwidth.
+
+    python benchmarks/sampler_bench.py [--threads N] [--repeats 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (allocations, first-touch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(64 * 1024 * 1024 // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 9)
+    return 2 * src.numel() * 4 / (ms / 1e3) / 1e9  # read + write
+
+
+def bench_case(batch: int, vocab: int, k: int, top_p: float, repeats: int, vllm_sampler) -> tuple[float, ...]:
+    """Median ms of (fused, torch, vLLM) on one batch of random logits."""
+    from qmc_sampler import inverse_cdf, process_logits
+    from qmc_sampler.kernels import fused_draw
+
+    gen = torch.Generator().manual_seed(batch)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    temperature = torch.full((batch,), 0.8)
+    u = torch.rand(batch, dtype=torch.float64, generator=gen)
+    kk = torch.full((batch,), k) if k else None
+    pp = torch.full((batch,), top_p) if top_p < 1 else None
+    scratch = logits.clone()
+
+    def fused() -> None:
+        fused_draw(logits, u, temperature, kk, pp, None, "id")
+
+    def reference() -> None:
+        inverse_cdf(process_logits(logits, temperature, kk, pp, None), u, order="id")
+
+    def vllm() -> None:
+        # vLLM divides by temperature in place, then samples (possibly in place).
+        scratch.copy_(logits)
+        vllm_sampler(scratch.div_(temperature.unsqueeze(1)), {}, kk, pp)
+
+    copy_ms = median_ms(lambda: scratch.copy_(logits), repeats)
+    t_fused = median_ms(fused, repeats)
+    t_torch = median_ms(reference, max(3, repeats // 2))
+    t_vllm = max(median_ms(vllm, repeats) - copy_ms, 1e-6)  # vLLM gets its logits in place
+    return t_fused, t_torch, t_vllm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="batch 32 only")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm._C  # noqa: F401  (registers vLLM's CPU ops, as its engine does)
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from qmc_sampler.kernels import backend_for
+
+    vllm_sampler = TopKTopPSampler()
+    bandwidth = copy_bandwidth_gbs()
+    print(
+        f"threads: {torch.get_num_threads()}, fused backend: {backend_for(torch.device('cpu'))}, "
+        f"copy bandwidth: {bandwidth:.1f} GB/s, vLLM sampler: {vllm_sampler.forward.__name__}"
+    )
+    header = (
+        f"{'batch':>5} {'vocab':>7} {'filter':>12} | {'fused':>8} {'torch':>9} {'vllm':>8} | "
+        f"{'fused/vllm':>10} {'torch/vllm':>10} | {'floor':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    batches = [32] if args.quick else [1, 32, 256]
+    for vocab in (49152, 151936):
+        for batch in batches:
+            for label, k, top_p in (
+                ("none", 0, 1.0),
+                ("top-k 50", 50, 1.0),
+                ("top-p 0.9", 0, 0.9),
+                ("k 50 p 0.9", 50, 0.9),
+            ):
+                repeats = max(3, args.repeats // (2 if batch == 256 else 1))
+                t_fused, t_torch, t_vllm = bench_case(batch, vocab, k, top_p, repeats, vllm_sampler)
+                floor = batch * vocab * 4 / (bandwidth / 2 * 1e9) * 1e3
+                print(
+                    f"{batch:>5} {vocab:>7} {label:>12} | {t_fused:>8.2f} {t_torch:>9.2f} {t_vllm:>8.2f} | "
+                    f"{t_fused / t_vllm:>10.2f} {t_torch / t_vllm:>10.2f} | {floor:>7.3f}"
+                )
+    print(
+        "\nms medians; ratios < 1 are faster than vLLM's own sampling op; floor = logits read once at copy bandwidth."
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+// Fused inverse-CDF sampling on the CPU: temperature, min-p, top-k, top-p, CDF, choice.
+//
+// One row per task of ATen's parallel_for (torch's own OpenMP pool). Per row:
+//   1. max logit m (vectorised; NaN counted);
+//   2. thresholds in logit space: min-p keeps x >= m + T*log(min_p) (p_j/p_max >= min_p),
+//      top-k keeps x >= the k-th largest (ties kept), exactly vLLM's rules
+//      (vllm/v1/sample/logits_processor/builtin.py, ops/topk_topp_sampler.py). With
+//      top-k the k largest come from a size-k heap and only they are exponentiated;
+//   3. weights w_j = exp((x_j - m)/T) for kept tokens (float, vectorised polynomial exp),
+//      summed per block of BLOCK tokens;
+//   4. top-p (if p < 1): over the kept tokens in ascending (logit, id) order, drop
+//      those whose cumulative probability is <= 1 - p, keeping the largest (vLLM);
+//   5. the CDF walk in the chosen order: the first token whose cumulative weight
+//      exceeds u * total; in token-id order whole blocks are skipped by their sums.
+// A row with NaN or no finite logit gets token -1 (the Python caller raises ValueError).
+// Returns the token, its interval start F(token-)/total and width w/total, which the
+// residual carry uses (../shared/design/qmc-math.md §1-2).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <functional>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 1024;
+
+// exp(x) for x <= 0: 2^t with t = x*log2(e) split as n + f, f in [-0.5, 0.5],
+// 2^f by its degree-7 Taylor polynomial (relative error < 2e-9), 2^n by exponent bits.
+// Branch-free so that GCC vectorises the loop that calls it.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = (t - n) * 0.693147180559945309f;  // in [-0.347, 0.347]
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct RowResult {
+  int64_t token;
+  double start;
+  double prob;
+};
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// vLLM's top-p over a kept set given as (index, weight) pairs: order tokens by
+// ascending (logit, id); drop those whose ascending cumulative probability is <= 1 - p
+// (keeping the largest). Equivalently, keep tokens in descending (logit, id) order
+// while the mass strictly above them is < p. Only the head of the descending order
+// is ever needed, so it is found by progressively wider nth_element + sort.
+void apply_top_p(const float* x, std::vector<int64_t>& idx, std::vector<float>& wt, double total, float top_p) {
+  const size_t n = idx.size();
+  if (n <= 1 || top_p >= 1.0f) return;
+  std::vector<size_t> pos(n);
+  std::iota(pos.begin(), pos.end(), 0);
+  auto before = [&](size_t a, size_t b) {  // descending (logit, id)
+    return x[idx[a]] > x[idx[b]] || (x[idx[a]] == x[idx[b]] && idx[a] > idx[b]);
+  };
+  const double target = static_cast<double>(top_p) * total;
+  size_t head = std::min<size_t>(n, 256);
+  size_t keep = n;
+  while (true) {
+    if (head < n) std::nth_element(pos.begin(), pos.begin() + head, pos.end(), before);
+    std::sort(pos.begin(), pos.begin() + head, before);
+    double above = 0.0;
+    size_t r = 0;
+    for (; r < head; ++r) {
+      if (above >= target) break;
+      above += wt[pos[r]];
+    }
+    if (above >= target || head == n) {
+      keep = r;
+      break;
+    }
+    head = std::min(n, head * 4);
+  }
+  std::vector<char> kept(n, 0);
+  for (size_t r = 0; r < keep; ++r) kept[pos[r]] = 1;
+  size_t out = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (kept[i]) {
+      idx[out] = idx[i];
+      wt[out] = wt[i];
+      ++out;
+    }
+  idx.resize(out);
+  wt.resize(out);
+}
+
+RowResult walk(const std::vector<int64_t>& idx, const std::vector<float>& wt, double u, bool sorted_order) {
+  double total = 0.0;
+  for (float v : wt) total += v;
+  std::vector<size_t> order(idx.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (sorted_order)
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return wt[a] > wt[b] || (wt[a] == wt[b] && idx[a] < idx[b]); });
+  const double target = u * total;
+  double acc = 0.0;
+  for (size_t i : order) {
+    if (acc + wt[i] > target) return {idx[i], acc / total, wt[i] / total};
+    acc += wt[i];
+  }
+  const size_t last = order.back();
+  return {idx[last], (total - wt[last]) / total, wt[last] / total};
+}
+
+RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                     double u, bool sorted_order, std::vector<float>& w, std::vector<double>& block_sum,
+                     std::vector<int64_t>& idx, std::vector<float>& wt) {
+  const float inv_t = 1.0f / temperature;
+  float m = NEG_INF;
+  int32_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nans)
+  for (int64_t j = 0; j < vocab; ++j) {
+    m = x[j] > m ? x[j] : m;
+    nans += x[j] != x[j];
+  }
+  if (nans || !(m > NEG_INF)) return {-1, 0.0, 0.0};  // caller raises
+  const float min_p_cut = min_p > 0.0f ? m + temperature * std::log(min_p) : -std::numeric_limits<float>::max();
+
+  if (top_k > 0 && top_k < vocab) {
+    // Sparse path: the k largest logits by a size-k min-heap (one comparison per token
+    // once it is full), then every token equal to the k-th value (vLLM keeps ties).
+    std::vector<float> heap;
+    heap.reserve(top_k);
+    for (int64_t j = 0; j < vocab; ++j) {
+      if (static_cast<int64_t>(heap.size()) < top_k) {
+        heap.push_back(x[j]);
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      } else if (x[j] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = x[j];
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
+    }
+    const float cut = std::max(heap.front(), min_p_cut);
+    idx.clear();
+    wt.clear();
+    for (int64_t j = 0; j < vocab; ++j)
+      if (x[j] >= cut && x[j] > NEG_INF) {
+        const float z = (x[j] - m) * inv_t;
+        if (z > -87.0f) {
+          idx.push_back(j);
+          wt.push_back(exp_nonpositive(z));
+        }
+      }
+    double total = 0.0;
+    for (float v : wt) total += v;
+    apply_top_p(x, idx, wt, total, top_p);
+    return walk(idx, wt, u, sorted_order);
+  }
+
+  // Dense path: weights for the whole row, summed per block.
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  block_sum.assign(blocks, 0.0);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = lo; j < hi; ++j) {
+      const float z = (x[j] - m) * inv_t;
+      const float e = exp_nonpositive(z);
+      // Masked (below the min-p cut, or -inf) and float32-underflowing tokens weigh exactly 0.
+      const float wj = (x[j] >= min_p_cut && z > -87.0f) ? e : 0.0f;
+      w[j] = wj;
+      s += wj;
+    }
+    block_sum[b] = s;
+    total += s;
+  }
+  if (top_p < 1.0f || sorted_order) {
+    // Top-p and sorted order need an explicit kept list.
+    idx.clear();
+    wt.clear();
+    for (int64_t j = 0; j < vocab; ++j)
+      if (w[j] > 0.0f) {
+        idx.push_back(j);
+        wt.push_back(w[j]);
+      }
+    apply_top_p(x, idx, wt, total, top_p);
+    return walk(idx, wt, u, sorted_order);
+  }
+  // Token-id order over the dense row: skip whole blocks by their sums.
+  const double target = u * total;
+  double acc = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (block_sum[b] > 0.0 && acc + block_sum[b] > target) {
+      const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
+      for (int64_t j = lo; j < hi; ++j) {
+        if (w[j] <= 0.0f) continue;
+        if (acc + w[j] > target) return {j, acc / total, w[j] / total};
+        acc += w[j];
+      }
+      continue;  // rounding left the target past this block's partial sums
+    }
+    acc += block_sum[b];
+  }
+  for (int64_t j = vocab - 1; j >= 0; --j)  // u within rounding of 1: the last positive token
+    if (w[j] > 0.0f) return {j, (total - w[j]) / total, w[j] / total};
+  return {-1, 0.0, 0.0};
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> fused_inverse_cdf(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                             const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                             const torch::Tensor& min_p, const torch::Tensor& uniforms,
+                                             bool sorted_order) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2, "logits must be a [batch, vocab] CPU tensor");
+  auto x = logits.to(torch::kFloat32).contiguous();
+  auto t = temperature.to(torch::kFloat32).contiguous();
+  auto k = top_k.to(torch::kInt64).contiguous();
+  auto p = top_p.to(torch::kFloat32).contiguous();
+  auto mp = min_p.to(torch::kFloat32).contiguous();
+  auto uu = uniforms.to(torch::kFloat64).contiguous();
+  const int64_t batch = x.size(0), vocab = x.size(1);
+  auto tokens = torch::empty({batch}, torch::kInt64);
+  auto starts = torch::empty({batch}, torch::kFloat64);
+  auto probs = torch::empty({batch}, torch::kFloat64);
+  const float* xp = x.data_ptr<float>();
+  const float* tp = t.data_ptr<float>();
+  const int64_t* kp = k.data_ptr<int64_t>();
+  const float* pp = p.data_ptr<float>();
+  const float* mpp = mp.data_ptr<float>();
+  const double* up = uu.data_ptr<double>();
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  double* st = starts.data_ptr<double>();
+  double* pr = probs.data_ptr<double>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(vocab), wt;
+    std::vector<double> block_sum;
+    std::vector<int64_t> idx;
+    for (int64_t r = begin; r < end; ++r) {
+      const RowResult res = sample_row(xp + r * vocab, vocab, tp[r], kp[r], pp[r], mpp[r], up[r], sorted_order, w,
+                                       block_sum, idx, wt);
+      tok[r] = res.token;
+      st[r] = res.start;
+      pr[r] = res.prob;
+    }
+  });
+  return {tokens, starts, probs};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_inverse_cdf", &fused_inverse_cdf,
+        "temperature/min-p/top-k/top-p + inverse CDF per row (CPU); returns [tokens, starts, probs]");
+}

@@ -1,0 +1,118 @@
+"""Backends for the fused step "processed distribution → inverse CDF → (token, start, prob)".
+
+* ``cpp`` — ``qmc_sampler._C.fused_inverse_cdf`` (``csrc/cpu_sampling.cpp``): CPU
+  tensors, one row per task of torch's thread pool, vectorised. Built by setup.py
+  when a compiler is present; needs AVX2 on x86-64.
+* ``torch`` — :func:`qmc_sampler.processing.process_logits` then
+  :func:`qmc_sampler.inverse_cdf.inverse_cdf`: any device, the reference.
+
+The backend is chosen once per device type at first use (fastest available), the
+choice is logged once, and a missing kernel falls back to ``torch`` with one
+warning. ``QMC_SAMPLER_BACKEND=torch|cpp`` forces one; forcing an unavailable
+backend raises.
+
+Agreement: the backends compute the same distribution in different floating-point
+orders (float32 exponentials and blocked sums in ``cpp``, float64 in ``torch``),
+so they pick the same token except when u lies within :data:`EDGE_TOLERANCE` of
+an interval edge of the reference CDF; ``tests/core/test_kernels.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from functools import lru_cache
+
+import torch
+
+from qmc_sampler.inverse_cdf import Draw, inverse_cdf
+from qmc_sampler.processing import process_logits
+
+__all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "fused_draw"]
+
+BACKENDS = ("cpp", "torch")
+#: How far (in CDF units) u may lie from a reference interval edge for the
+#: backends to disagree: float32 weights have relative error ~1e-7 each, and the
+#: CDF accumulates them.
+EDGE_TOLERANCE = 1e-5
+
+logger = logging.getLogger("qmc_sampler")
+
+
+@lru_cache(maxsize=1)
+def _cpp_kernel():  # -> module | None, with the reason logged/warned once
+    try:
+        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and os.uname().machine == "x86_64":
+            raise ImportError("this CPU has no AVX2")
+        from qmc_sampler import _C
+    except ImportError as e:
+        warnings.warn(f"qmc-sampler: fused CPU kernel unavailable ({e}); using the pure-torch path", stacklevel=3)
+        return None
+    return _C
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend used for logits on ``device`` (see module docstring).
+
+    Raises:
+        ValueError: ``QMC_SAMPLER_BACKEND`` names an unknown or unavailable backend.
+    """
+    forced = os.environ.get("QMC_SAMPLER_BACKEND", "").strip()
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"QMC_SAMPLER_BACKEND={forced!r} is not a backend; use one of {list(BACKENDS)}")
+    if forced == "torch":
+        return "torch"
+    cpp_ok = device.type == "cpu" and _cpp_kernel() is not None
+    if forced == "cpp" and not cpp_ok:
+        raise ValueError(f"QMC_SAMPLER_BACKEND='cpp' but the fused CPU kernel is unavailable for {device.type} logits")
+    choice = "cpp" if cpp_ok else "torch"
+    _log_choice(device.type, choice)
+    return choice
+
+
+@lru_cache(maxsize=8)
+def _log_choice(device_type: str, choice: str) -> None:
+    logger.info("qmc-sampler: %s logits use the %s sampling backend", device_type, choice)
+
+
+def fused_draw(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    order: str,
+) -> Draw:
+    """Processed distribution and inverse CDF for a batch, on the fastest backend.
+
+    Args:
+        logits: ``[batch, vocab]`` raw logits (not modified).
+        uniforms: ``[batch]`` float64 in [0, 1).
+        temperature, top_k, top_p, min_p: ``[batch]`` (None: disabled for every row).
+        order: ``"id"`` or ``"sorted"``.
+
+    Returns:
+        :class:`qmc_sampler.inverse_cdf.Draw`.
+    """
+    if backend_for(logits.device) == "torch":
+        return inverse_cdf(process_logits(logits, temperature, top_k, top_p, min_p), uniforms, order=order)
+    batch = logits.shape[0]
+    tokens, starts, probs = _cpp_kernel().fused_inverse_cdf(
+        logits,
+        temperature,
+        top_k if top_k is not None else torch.zeros(batch, dtype=torch.long),
+        top_p if top_p is not None else torch.ones(batch),
+        min_p if min_p is not None else torch.zeros(batch),
+        uniforms,
+        order == "sorted",
+    )
+    bad = tokens < 0
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"logits row {row} has NaN or no admissible token (all -inf after "
+            "temperature/top-k/top-p/min-p); every row needs a finite maximum"
+        )
+    return Draw(tokens=tokens, starts=starts, probs=probs)

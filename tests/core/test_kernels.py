@@ -1,0 +1,100 @@
+"""Fused kernels agree with the torch reference; the dispatcher picks and falls back sanely.
+
+Agreement rule (``qmc_sampler.kernels.EDGE_TOLERANCE``): a backend's token must be
+the reference token, or a token whose reference interval lies within the
+tolerance of u (u within float rounding of an interval edge). Interval starts and
+widths must match the reference to the same tolerance.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from qmc_sampler import inverse_cdf, process_logits
+from qmc_sampler.kernels import EDGE_TOLERANCE, backend_for, fused_draw
+
+CONFIGS = [
+    (1.0, 0, 1.0, 0.0),
+    (0.6, 0, 1.0, 0.0),
+    (1.0, 40, 1.0, 0.0),
+    (1.0, 0, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (0.8, 20, 0.8, 0.02),
+    (1.5, 1, 1.0, 0.0),
+]
+cpp = pytest.mark.skipif(backend_for(torch.device("cpu")) != "cpp", reason="fused CPU kernel not built")
+
+
+def reference_cdf(logits, t, k, p, m, order):
+    probs = torch.softmax(process_logits(logits, t, k, p, m).double(), -1)
+    if order == "sorted":
+        probs, perm = torch.sort(probs, dim=-1, descending=True, stable=True)
+    else:
+        perm = torch.arange(probs.shape[1]).expand_as(probs)
+    return torch.cumsum(probs, -1), perm
+
+
+@cpp
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), CONFIGS)
+@pytest.mark.parametrize("order", ["id", "sorted"])
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_cpp_kernel_agrees_with_the_torch_reference(temperature, top_k, top_p, min_p, order, vocab):
+    gen = torch.Generator().manual_seed(vocab + top_k)
+    batch = 16
+    logits = torch.randn(batch, vocab, generator=gen) * 4
+    u = torch.rand(batch, dtype=torch.float64, generator=gen)
+    args = (
+        torch.full((batch,), temperature),
+        torch.full((batch,), top_k),
+        torch.full((batch,), top_p),
+        torch.full((batch,), min_p),
+    )
+    ref = inverse_cdf(process_logits(logits, *args), u, order=order)
+    got = fused_draw(logits, u, *args, order)
+    cdf, perm = reference_cdf(logits, *args, order)
+    for row in range(batch):
+        if got.tokens[row] == ref.tokens[row]:
+            continue
+        pos = int((perm[row] == got.tokens[row]).nonzero()[0, 0])
+        lo = float(cdf[row, pos - 1]) if pos else 0.0
+        hi = float(cdf[row, pos])
+        assert lo - EDGE_TOLERANCE <= float(u[row]) < hi + EDGE_TOLERANCE, (row, lo, hi, float(u[row]))
+    same = got.tokens == ref.tokens
+    np.testing.assert_allclose(got.starts[same], ref.starts[same], atol=EDGE_TOLERANCE)
+    np.testing.assert_allclose(got.probs[same], ref.probs[same], atol=EDGE_TOLERANCE)
+    assert same.float().mean() >= 0.9
+
+
+@cpp
+def test_uniforms_at_the_extremes_pick_the_first_and_last_admissible_tokens():
+    logits = torch.tensor([[float("-inf"), 1.0, 2.0, float("-inf"), 0.5, float("-inf")]])
+    ones = torch.ones(1)
+    first = fused_draw(logits, torch.tensor([0.0], dtype=torch.float64), ones, None, None, None, "id")
+    last = fused_draw(logits, torch.tensor([1 - 2.0**-53], dtype=torch.float64), ones, None, None, None, "id")
+    assert first.tokens.item() == 1 and last.tokens.item() == 4
+    assert abs(last.starts.item() + last.probs.item() - 1.0) < 1e-9
+
+
+@cpp
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_cpp_kernel_rejects_bad_rows_like_the_reference(bad):
+    logits = torch.zeros(3, 5)
+    logits[1] = bad
+    with pytest.raises(ValueError, match="row 1 has NaN or no admissible token"):
+        fused_draw(logits, torch.full((3,), 0.5, dtype=torch.float64), torch.ones(3), None, None, None, "id")
+
+
+def test_forcing_a_backend(monkeypatch):
+    monkeypatch.setenv("QMC_SAMPLER_BACKEND", "torch")
+    assert backend_for(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("QMC_SAMPLER_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"QMC_SAMPLER_BACKEND='fast' is not a backend; use one of \['cpp', 'torch'\]"):
+        backend_for(torch.device("cpu"))
+    monkeypatch.setenv("QMC_SAMPLER_BACKEND", "cpp")
+    with pytest.raises(ValueError, match="unavailable for meta logits"):
+        backend_for(torch.device("meta"))
+
+
+def test_every_backend_falls_back_to_torch_off_the_cpu():
+    monkeypatch_free = backend_for(torch.device("meta"))
+    assert monkeypatch_free == "torch"
