@@ -31,7 +31,8 @@ def _extensions() -> tuple[list, dict]:
             stacklevel=1,
         )
         return [], {}
-    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
+    # No FP traps or errno are relied on; without these GCC keeps the exp loop scalar.
+    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags += ["-mavx2", "-mfma"]  # the loader checks the CPU has AVX2 before importing it
 

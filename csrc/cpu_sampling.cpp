@@ -37,7 +37,9 @@ constexpr int64_t BLOCK = 1024;
 inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
+  // Round to nearest by the 1.5*2^23 trick (exact for |t| < 2^22): plain arithmetic
+  // vectorises, where nearbyint would not without -ffast-math.
+  const float n = (t + 12582912.0f) - 12582912.0f;
   const float f = (t - n) * 0.693147180559945309f;  // in [-0.347, 0.347]
   float p = 1.0f / 5040.0f;
   p = p * f + 1.0f / 720.0f;
@@ -142,14 +144,25 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     // once it is full), then every token equal to the k-th value (vLLM keeps ties).
     std::vector<float> heap;
     heap.reserve(top_k);
-    for (int64_t j = 0; j < vocab; ++j) {
-      if (static_cast<int64_t>(heap.size()) < top_k) {
-        heap.push_back(x[j]);
-        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-      } else if (x[j] > heap.front()) {
-        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
-        heap.back() = x[j];
-        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    constexpr int64_t CHUNK = 16;
+    for (int64_t lo = 0; lo < vocab; lo += CHUNK) {
+      const int64_t hi = std::min(vocab, lo + CHUNK);
+      if (static_cast<int64_t>(heap.size()) == top_k) {
+        // Once the heap is full most chunks cannot enter it: skip them on a vectorised max.
+        float chunk_max = NEG_INF;
+#pragma omp simd reduction(max : chunk_max)
+        for (int64_t j = lo; j < hi; ++j) chunk_max = x[j] > chunk_max ? x[j] : chunk_max;
+        if (!(chunk_max > heap.front())) continue;
+      }
+      for (int64_t j = lo; j < hi; ++j) {
+        if (static_cast<int64_t>(heap.size()) < top_k) {
+          heap.push_back(x[j]);
+          std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+        } else if (x[j] > heap.front()) {
+          std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+          heap.back() = x[j];
+          std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+        }
       }
     }
     const float cut = std::max(heap.front(), min_p_cut);
@@ -181,7 +194,8 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
       const float z = (x[j] - m) * inv_t;
       const float e = exp_nonpositive(z);
       // Masked (below the min-p cut, or -inf) and float32-underflowing tokens weigh exactly 0.
-      const float wj = (x[j] >= min_p_cut && z > -87.0f) ? e : 0.0f;
+      const bool keep = (x[j] >= min_p_cut) & (z > -87.0f);  // bitwise: no branch, so it vectorises
+      const float wj = keep ? e : 0.0f;
       w[j] = wj;
       s += wj;
     }

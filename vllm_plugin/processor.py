@@ -90,8 +90,9 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         device = logits.device
         index = torch.tensor(row_ids, dtype=torch.long, device=device)
         ones = torch.ones(n)
+        whole_batch = n == logits.shape[0] and row_ids == list(range(n))  # the usual case: no copy
         draw, uniforms = draw_members(
-            logits.index_select(0, index),
+            logits if whole_batch else logits.index_select(0, index),
             [r.state for r in rows],
             temperature=ones if temperature_applied else torch.tensor([r.temperature for r in rows]),
             top_k=torch.tensor([r.top_k for r in rows]),
@@ -102,7 +103,10 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         starts, probs = draw.starts.tolist(), draw.probs.tolist()
         for j, (row, token) in enumerate(zip(rows, draw.tokens.tolist(), strict=True)):
             row.pending = Pending(uniform=float(uniforms[j]), start=starts[j], prob=probs[j], token=token)
-        logits.index_fill_(0, index, float("-inf"))
+        if whole_batch:
+            logits.fill_(float("-inf"))
+        else:
+            logits.index_fill_(0, index, float("-inf"))
         logits[index, tokens] = 0.0
 
     # ---- V1 runner ----------------------------------------------------------
