@@ -3,13 +3,17 @@
 * ``cpp`` — ``qmc_sampler._C.fused_inverse_cdf`` (``csrc/cpu_sampling.cpp``): CPU
   tensors, one row per task of torch's thread pool, vectorised. Built by setup.py
   when a compiler is present; needs AVX2 on x86-64.
+* ``triton`` — :mod:`qmc_sampler.triton_kernels` for CUDA tensors: temperature,
+  min-p and the token-id-order CDF walk in one kernel (top-k/top-p applied first
+  with the torch masks; ``sorted`` order uses the torch path).
 * ``torch`` — :func:`qmc_sampler.processing.process_logits` then
   :func:`qmc_sampler.inverse_cdf.inverse_cdf`: any device, the reference.
 
 The backend is chosen once per device type at first use (fastest available), the
 choice is logged once, and a missing kernel falls back to ``torch`` with one
-warning. ``QMC_SAMPLER_BACKEND=torch|cpp`` forces one; forcing an unavailable
-backend raises.
+warning. ``QMC_SAMPLER_BACKEND=torch|cpp|triton`` forces one; forcing an unavailable
+backend raises (``triton`` also runs on CPU tensors under ``TRITON_INTERPRET=1``,
+which the tests use to check the kernel without a GPU).
 
 Agreement: the backends compute the same distribution in different floating-point
 orders (float32 exponentials and blocked sums in ``cpp``, float64 in ``torch``),
@@ -31,7 +35,7 @@ from qmc_sampler.processing import process_logits
 
 __all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "fused_draw"]
 
-BACKENDS = ("cpp", "torch")
+BACKENDS = ("cpp", "triton", "torch")
 #: How far (in CDF units) u may lie from a reference interval edge for the
 #: backends to disagree: float32 weights have relative error ~1e-7 each, and the
 #: CDF accumulates them.
@@ -63,10 +67,23 @@ def backend_for(device: torch.device) -> str:
         raise ValueError(f"QMC_SAMPLER_BACKEND={forced!r} is not a backend; use one of {list(BACKENDS)}")
     if forced == "torch":
         return "torch"
+    from qmc_sampler.triton_kernels import triton_available
+
+    if forced == "triton":
+        if not triton_available():
+            raise ValueError(
+                "QMC_SAMPLER_BACKEND='triton' but Triton has no device here (no CUDA, no TRITON_INTERPRET)"
+            )
+        return "triton"
     cpp_ok = device.type == "cpu" and _cpp_kernel() is not None
     if forced == "cpp" and not cpp_ok:
         raise ValueError(f"QMC_SAMPLER_BACKEND='cpp' but the fused CPU kernel is unavailable for {device.type} logits")
-    choice = "cpp" if cpp_ok else "torch"
+    if cpp_ok:
+        choice = "cpp"
+    elif device.type == "cuda" and triton_available():
+        choice = "triton"
+    else:
+        choice = "torch"
     _log_choice(device.type, choice)
     return choice
 
@@ -96,9 +113,20 @@ def fused_draw(
     Returns:
         :class:`qmc_sampler.inverse_cdf.Draw`.
     """
-    if backend_for(logits.device) == "torch":
+    backend = backend_for(logits.device)
+    if backend == "torch" or (backend == "triton" and order == "sorted"):
         return inverse_cdf(process_logits(logits, temperature, top_k, top_p, min_p), uniforms, order=order)
     batch = logits.shape[0]
+    if backend == "triton":
+        from qmc_sampler.triton_kernels import triton_inverse_cdf
+
+        if _any_active(top_k, top_p, logits.shape[1]):
+            # top-k/top-p depend on the tempered distribution: let the torch masks do all
+            # four steps, then the kernel only walks the CDF (temperature 1, no min-p).
+            logits = process_logits(logits, temperature, top_k, top_p, min_p)
+            temperature, min_p = torch.ones(batch), None
+        tokens, starts, probs = triton_inverse_cdf(logits, uniforms, temperature, min_p)
+        return _checked(Draw(tokens=tokens, starts=starts, probs=probs))
     tokens, starts, probs = _cpp_kernel().fused_inverse_cdf(
         logits,
         temperature,
@@ -108,11 +136,21 @@ def fused_draw(
         uniforms,
         order == "sorted",
     )
-    bad = tokens < 0
+    return _checked(Draw(tokens=tokens, starts=starts, probs=probs))
+
+
+def _any_active(top_k: torch.Tensor | None, top_p: torch.Tensor | None, vocab: int) -> bool:
+    return bool(
+        (top_k is not None and ((top_k > 0) & (top_k < vocab)).any()) or (top_p is not None and (top_p < 1.0).any())
+    )
+
+
+def _checked(draw: Draw) -> Draw:
+    bad = draw.tokens < 0
     if bool(bad.any()):
         row = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"logits row {row} has NaN or no admissible token (all -inf after "
             "temperature/top-k/top-p/min-p); every row needs a finite maximum"
         )
-    return Draw(tokens=tokens, starts=starts, probs=probs)
+    return draw

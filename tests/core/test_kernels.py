@@ -88,7 +88,9 @@ def test_forcing_a_backend(monkeypatch):
     monkeypatch.setenv("QMC_SAMPLER_BACKEND", "torch")
     assert backend_for(torch.device("cpu")) == "torch"
     monkeypatch.setenv("QMC_SAMPLER_BACKEND", "fast")
-    with pytest.raises(ValueError, match=r"QMC_SAMPLER_BACKEND='fast' is not a backend; use one of \['cpp', 'torch'\]"):
+    with pytest.raises(
+        ValueError, match=r"QMC_SAMPLER_BACKEND='fast' is not a backend; use one of \['cpp', 'triton', 'torch'\]"
+    ):
         backend_for(torch.device("cpu"))
     monkeypatch.setenv("QMC_SAMPLER_BACKEND", "cpp")
     with pytest.raises(ValueError, match="unavailable for meta logits"):
