@@ -289,26 +289,16 @@ def _final_response(outputs: dict[int, Any], meta: _Meta, chat: bool) -> dict[st
                 CompletionChoice(index=index, text=out.text, finish_reason=finish, logprobs=_completion_logprobs(out))
             )
     usage = _usage(meta.prompt_tokens, completion_tokens)
-    if chat:
-        response = ChatCompletion(
-            id=meta.id,
-            created=meta.created,
-            model=meta.model,
-            object="chat.completion",
-            choices=choices,
-            usage=usage,
-            **meta.extensions(),
-        )
-    else:
-        response = Completion(
-            id=meta.id,
-            created=meta.created,
-            model=meta.model,
-            object="text_completion",
-            choices=choices,
-            usage=usage,
-            **meta.extensions(),
-        )
+    model, kind = (ChatCompletion, "chat.completion") if chat else (Completion, "text_completion")
+    response = model(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        object=kind,
+        choices=choices,
+        usage=usage,
+        **meta.extensions(),
+    )
     return response.model_dump(mode="json", exclude_unset=False)
 
 
