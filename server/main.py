@@ -67,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         model=model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.no_enforce_eager, seed=0
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    holder: dict[str, object] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
             max_n=args.max_n,
         )
         app.mount("/", build_app(engine, settings))
-        holder["engine"] = engine
         try:
             yield
         finally:
