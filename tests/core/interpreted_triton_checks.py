@@ -59,3 +59,22 @@ def test_interpreted_kernel_keeps_lattice_groups_balanced(interpreted, group_run
     for group in seqs:
         counts = np.bincount(group[:, 0], minlength=8)
         assert np.all((counts == np.floor(8 * q)) | (counts == np.ceil(8 * q)))
+
+
+def test_interpreted_kernel_gives_each_member_the_exact_distribution(interpreted, group_runner, toy_factory):
+X
+    # family-wise α = 1e-3 over the 4 members (Bonferroni).
+    from scipy import stats
+
+    model = toy_factory(vocab=8, depth=2, seed=9, scale=1.0)
+    first = torch.softmax(model.table[()].double(), -1).numpy()
+    joint = np.array([[first[a] * p for p in torch.softmax(model.table[(a,)].double(), -1).numpy()]
+                      for a in range(8)]).ravel()
+    seqs = group_runner(model, [GroupSpec("lattice", 4, seed=s) for s in range(600)], steps=2)
+    for member in range(4):
+        counts = np.bincount(seqs[:, member, 0] * 8 + seqs[:, member, 1], minlength=64)
+        expected = joint * counts.sum()
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        assert stats.chisquare(obs, exp).pvalue > 1e-3 / 4, member
