@@ -62,7 +62,7 @@ def test_interpreted_kernel_keeps_lattice_groups_balanced(interpreted, group_run
 
 
 def test_interpreted_kernel_gives_each_member_the_exact_distribution(interpreted, group_runner, toy_factory):
-X
+    # Chi-square per member over the first two tokens' joint (8 × 8 cells), 600 groups of 4;
     # family-wise α = 1e-3 over the 4 members (Bonferroni).
     from scipy import stats
 
