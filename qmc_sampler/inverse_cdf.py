@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ORDERS", "Draw", "inverse_cdf"]
+__all__ = ["ORDERS", "Draw", "inverse_cdf", "reject_bad_rows"]
 
 ORDERS: tuple[str, ...] = ("id", "sorted")
 
@@ -54,13 +54,7 @@ def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, order: str = "id")
     """
     rows = logits.to(torch.float64)
     top = rows.amax(dim=-1, keepdim=True)
-    bad = ~torch.isfinite(top.squeeze(1)) | torch.isnan(rows).any(dim=-1)
-    if bool(bad.any()):
-        row = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"logits row {row} has NaN or no admissible token (all -inf after "
-            "temperature/top-k/top-p/min-p); every row needs a finite maximum"
-        )
+    reject_bad_rows(~torch.isfinite(top.squeeze(1)) | torch.isnan(rows).any(dim=-1))
     weights = torch.exp(rows - top)
     perm = None
     if order == "sorted":
@@ -81,3 +75,17 @@ def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, order: str = "id")
     starts = torch.where(pos.squeeze(1) > 0, cdf.gather(1, (pos - 1).clamp_(min=0)).squeeze(1), 0.0)
     tokens = pos.squeeze(1) if perm is None else perm.gather(1, pos).squeeze(1)
     return Draw(tokens=tokens.to(torch.int64), starts=starts, probs=ends - starts)
+
+
+def reject_bad_rows(bad: torch.Tensor) -> None:
+    """Raise for the first row flagged in ``bad`` (``[batch] bool``): NaN, or no admissible token.
+
+    Raises:
+        ValueError: naming the row; every backend reports bad rows with this message.
+    """
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"logits row {row} has NaN or no admissible token (all -inf after "
+            "temperature/top-k/top-p/min-p); every row needs a finite maximum"
+        )

@@ -30,8 +30,8 @@ from functools import lru_cache
 
 import torch
 
-from qmc_sampler.inverse_cdf import Draw, inverse_cdf
-from qmc_sampler.processing import process_logits
+from qmc_sampler.inverse_cdf import Draw, inverse_cdf, reject_bad_rows
+from qmc_sampler.processing import filters_active, process_logits
 
 __all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "fused_draw"]
 
@@ -120,7 +120,7 @@ def fused_draw(
     if backend == "triton":
         from qmc_sampler.triton_kernels import triton_inverse_cdf
 
-        if _any_active(top_k, top_p, logits.shape[1]):
+        if any(filters_active(top_k, top_p, logits.shape[1])):
             # top-k/top-p depend on the tempered distribution: let the torch masks do all
             # four steps, then the kernel only walks the CDF (temperature 1, no min-p).
             logits = process_logits(logits, temperature, top_k, top_p, min_p)
@@ -139,18 +139,6 @@ def fused_draw(
     return _checked(Draw(tokens=tokens, starts=starts, probs=probs))
 
 
-def _any_active(top_k: torch.Tensor | None, top_p: torch.Tensor | None, vocab: int) -> bool:
-    return bool(
-        (top_k is not None and ((top_k > 0) & (top_k < vocab)).any()) or (top_p is not None and (top_p < 1.0).any())
-    )
-
-
 def _checked(draw: Draw) -> Draw:
-    bad = draw.tokens < 0
-    if bool(bad.any()):
-        row = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"logits row {row} has NaN or no admissible token (all -inf after "
-            "temperature/top-k/top-p/min-p); every row needs a finite maximum"
-        )
+    reject_bad_rows(draw.tokens < 0)
     return draw

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SAMPLING_EPS", "process_logits"]
+__all__ = ["SAMPLING_EPS", "filters_active", "process_logits"]
 
 #: vLLM's greedy threshold (``vllm/v1/sample/sampler.py::_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -52,8 +52,7 @@ def process_logits(
         probs = torch.softmax(out, dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(out).unsqueeze(1)
         out = out.masked_fill(probs < threshold, float("-inf"))
-    k_active = top_k is not None and bool(((top_k > 0) & (top_k < vocab)).any())
-    p_active = top_p is not None and bool((top_p < 1.0).any())
+    k_active, p_active = filters_active(top_k, top_p, vocab)
     if not (k_active or p_active):
         return out
     logits_sort, logits_idx = out.sort(dim=-1, descending=False, stable=True)
@@ -70,3 +69,10 @@ def process_logits(
         p_mask[:, -1] = False
         logits_sort = logits_sort.masked_fill(p_mask, float("-inf"))
     return torch.empty_like(out).scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def filters_active(top_k: torch.Tensor | None, top_p: torch.Tensor | None, vocab: int) -> tuple[bool, bool]:
+    """Whether any row asks for top-k (0 < k < vocab) and for top-p (p < 1)."""
+    k_active = top_k is not None and bool(((top_k > 0) & (top_k < vocab)).any())
+    p_active = top_p is not None and bool((top_p < 1.0).any())
+    return k_active, p_active

@@ -68,8 +68,9 @@ def test_interpreted_kernel_gives_each_member_the_exact_distribution(interpreted
 
     model = toy_factory(vocab=8, depth=2, seed=9, scale=1.0)
     first = torch.softmax(model.table[()].double(), -1).numpy()
-    joint = np.array([[first[a] * p for p in torch.softmax(model.table[(a,)].double(), -1).numpy()]
-                      for a in range(8)]).ravel()
+    joint = np.array(
+        [[first[a] * p for p in torch.softmax(model.table[(a,)].double(), -1).numpy()] for a in range(8)]
+    ).ravel()
     seqs = group_runner(model, [GroupSpec("lattice", 4, seed=s) for s in range(600)], steps=2)
     for member in range(4):
         counts = np.bincount(seqs[:, member, 0] * 8 + seqs[:, member, 1], minlength=64)
