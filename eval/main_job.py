@@ -10,6 +10,7 @@ run resumes and reuses what is done.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ def main() -> int:
     print("qmc-sampler main job: pass@k of iid vs lattice, SmolLM2-135M-Instruct, basic_arithmetic", flush=True)
     model = default_model_dir()
     print(f"model: {model}", flush=True)
-    run(RunConfig(**{**CONFIG.__dict__, "model": str(model)}))
+    run(dataclasses.replace(CONFIG, model=str(model)))
     reports = summarize(correct_arrays(read_samples(OUT / "samples.jsonl"), source=str(OUT)))
     print()
     print(format_table(reports))

@@ -9,6 +9,8 @@ import numpy as np
 from qmc_sampler.eval.passk import bootstrap_pass_at_k, per_group_pass_at_k, samples_saved, union_bound, valid_ks
 from qmc_sampler.eval.samples import ProblemGroups, SampleFileError
 
+from qmc_sampler.designs import METHODS
+
 __all__ = ["SamplerReport", "as_json", "format_table", "plot", "summarize"]
 
 
@@ -49,12 +51,12 @@ def summarize(cells: list[ProblemGroups], ks: list[int] | None = None, resamples
         if len(sizes) != 1:
             raise SampleFileError(f"sampler {sampler!r} has groups of sizes {sorted(sizes)} across problems")
         n = sizes.pop()
-        allowed = valid_ks(sampler if sampler in _DESIGNS else "iid", n)
-        wanted = ks or [k for k in allowed if k & (k - 1) == 0 or k == n]
+        # Samplers from elsewhere with names that are not designs are scored as i.i.d.
+        design = sampler if sampler in METHODS else "iid"
+        wanted = ks or [k for k in valid_ks(design, n) if k & (k - 1) == 0 or k == n]
         for k in wanted:
             if k > n:
                 raise SampleFileError(f"k={k} exceeds the group size N={n} of sampler {sampler!r}")
-        design = sampler if sampler in _DESIGNS else "iid"
         p_hat = np.array([p.correct.mean() for p in problems])
         curve, bound = {}, {}
         for k in wanted:
@@ -89,9 +91,6 @@ def summarize(cells: list[ProblemGroups], ks: list[int] | None = None, resamples
         )
         for r in reports
     ]
-
-
-_DESIGNS = ("iid", "lattice", "sobol", "antithetic", "stratified", "arithmetic")
 
 
 def format_table(reports: list[SamplerReport]) -> str:

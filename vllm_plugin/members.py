@@ -43,7 +43,7 @@ def token_history(tokens: Sequence[int]) -> int:
     """A rolling hash of a token sequence (equal sequences, equal hashes)."""
     h = 0
     for t in tokens:
-        h = (h * 1_000_003 + int(t) + 2) % _HASH_MOD
+        h = _extend_history(h, t)
     return h
 
 

@@ -32,6 +32,7 @@ from qmc_sampler.vllm_plugin.members import GroupRegistry, Pending, Row
 from qmc_sampler.vllm_plugin.request_args import read_request, resolve
 
 from qmc_sampler.group import draw_members
+from qmc_sampler.processing import SAMPLING_EPS
 
 if TYPE_CHECKING:
     from vllm.v1.sample.logits_processor import BatchUpdate
@@ -122,7 +123,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             old = self.rows.pop(index, None)
             if old is not None:
                 self.registry.park(old)
-            if params is None or params.temperature < 1e-5:
+            if params is None or params.temperature < SAMPLING_EPS:
                 continue
             row = self._new_row(params, output_ids, key=output_ids)
             if row is not None:
@@ -161,7 +162,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         old = self.rows.pop(req_idx, None)
         if old is not None:
             self.registry.park(old)
-        if sampling_params.temperature < 1e-5:
+        if sampling_params.temperature < SAMPLING_EPS:
             return False
         row = self._new_row(sampling_params, None, key=sampling_params)
         if row is None:
