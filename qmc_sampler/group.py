@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from qmc_sampler.counter_rng import Purpose, counter_uniform, seed_to_u64
-from qmc_sampler.designs import get_design
+from qmc_sampler.designs import DESIGNS, get_design
 from qmc_sampler.inverse_cdf import ORDERS, Draw
 from qmc_sampler.kernels import fused_draw
 
 __all__ = [
+    "EXTENSIBLE",
     "PRECISION_FLOOR",
     "GroupSpec",
     "MemberState",
@@ -46,6 +47,10 @@ __all__ = [
 #: consuming 32 of float64's 53 bits the residual still has ~2^-21 relative accuracy.
 PRECISION_FLOOR = 2.0**-32
 
+#: The group size of an *extensible* group: members 0, 1, 2, … join one at a time
+#: and no size is ever assumed (only designs with ``extensible = True``).
+EXTENSIBLE = 0
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -53,13 +58,16 @@ class GroupSpec:
 
     Attributes:
         method: the design, one of :data:`qmc_sampler.METHODS`.
-        n: group size (≥ 1). For ``lattice``/``sobol`` use n = 2^m for the full
-            balance properties and for extensible groups.
+        n: group size (≥ 1), or :data:`EXTENSIBLE` (0) for a group of unknown
+            size that grows member by member (``iid``, ``lattice``, ``sobol``,
+            ``antithetic``). For ``lattice``/``sobol`` use n = 2^m for the full
+            balance properties.
         seed: group seed (any int); all randomness derives from it.
         order: vocabulary order, ``"id"`` or ``"sorted"``.
 
     Raises:
-        ValueError: on an unknown method or order, n < 1, or a non-integer seed/n.
+        ValueError: on an unknown method or order, n < 0 (or n = 0 for a design
+            that needs its size), or a non-integer seed/n.
     """
 
     method: str
@@ -68,14 +76,19 @@ class GroupSpec:
     order: str = "id"
 
     def __post_init__(self) -> None:
-        get_design(self.method)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n!r} is not a group size; use an int >= 1")
+        design = get_design(self.method)
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0:
+            raise ValueError(f"n={self.n!r} is not a group size; use an int >= 1 (or 0 for an extensible group)")
+        if self.n == EXTENSIBLE and not design.extensible:
+            raise ValueError(
+                f"method={self.method!r} needs its group size; extensible groups (n=0) take one of "
+                f"{[m for m, d in DESIGNS.items() if d.extensible]}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is not an int; use any Python int")
         if self.order not in ORDERS:
             raise ValueError(f"order={self.order!r} is not a vocabulary order; use one of {set(ORDERS)}")
-        if get_design(self.method).wants_power_of_two and self.n & (self.n - 1):
+        if design.wants_power_of_two and self.n & (self.n - 1):
             warnings.warn(
                 f"method={self.method!r} with n={self.n} (not a power of two): members stay exact, "
                 "but the net's balance only holds for n = 2^m",
@@ -89,11 +102,15 @@ class MemberState:
 
     Attributes:
         spec: the member's group.
-        member: member index in ``[0, spec.n)``.
+        member: member index, in ``[0, spec.n)`` for a member of the design (any
+            index ≥ 0 in an extensible group); an index ≥ n is a member beyond the
+            group's size and must be ``fresh``.
         step: number of tokens generated so far (the next draw's step index t).
         code: the carried residual code (code designs; None before the first draw).
         width: W, the product of the probabilities of the tokens drawn from the code.
-        fresh: True once the member draws fresh uniforms (alone, or state lost).
+        fresh: True once the member draws fresh uniforms: alone, state lost, or
+            beyond the group's size. Fresh uniforms are the counter stream
+            (seed, FRESH, member, step), which no other member of the group uses.
     """
 
     spec: GroupSpec
@@ -116,17 +133,19 @@ def member_uniforms(states: Sequence[MemberState]) -> np.ndarray:
         ns = np.array([states[j].spec.n for j in rows], dtype=np.int64)
         members = np.array([states[j].member for j in rows], dtype=np.int64)
         steps = np.array([states[j].step for j in rows], dtype=np.int64)
-        if not design.carries:
-            out[rows] = design.step_uniforms(seeds, ns, members, steps)
-            continue
-        need_code = np.array([states[j].code is None and not states[j].fresh for j in rows])
-        if need_code.any():
-            codes = design.start_codes(seeds[need_code], ns[need_code], members[need_code])
-            for j, c in zip(np.asarray(rows)[need_code], codes, strict=True):
-                states[j].code = float(c)
         fresh = np.array([states[j].fresh for j in rows])
-        fresh_u = counter_uniform(seeds, Purpose.FRESH, members, steps)
-        out[rows] = np.where(fresh, fresh_u, [0.0 if states[j].code is None else states[j].code for j in rows])
+        if design.carries:
+            need_code = np.array([states[j].code is None for j in rows]) & ~fresh
+            if need_code.any():
+                codes = design.start_codes(seeds[need_code], ns[need_code], members[need_code])
+                for j, c in zip(np.asarray(rows)[need_code], codes, strict=True):
+                    states[j].code = float(c)
+            designed = np.array([0.0 if states[j].code is None else states[j].code for j in rows])
+        else:
+            designed = design.step_uniforms(seeds, ns, members, steps)
+        if fresh.any():
+            designed = np.where(fresh, counter_uniform(seeds, Purpose.FRESH, members, steps), designed)
+        out[rows] = designed
     return out
 
 

@@ -11,12 +11,15 @@ path (``qmc_sampler.vllm_plugin:QMCLogitsProcessor``) whatever runner they get:
   the GPU default) — ``apply`` runs before temperature, min-p and top-k/top-p, so it
   applies all four itself.
 
-Either way, for each row whose request has a design it draws the member's token
-from the processed distribution (:mod:`qmc_sampler`) and sets every other logit of
-the row to ``-inf``; vLLM's own temperature / top-k / top-p / random sample then
-can only return that token. Greedy rows and requests without a design are left
-untouched, and returned logprobs (vLLM's default ``raw_logprobs``, computed
-before any processor) stay the model's own.
+The class is thin: an adapter per runner (:mod:`.adapters`) turns rows or slots
+into members of one :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`,
+which places them in groups (:mod:`.grouping`) and owns the draw → pending →
+commit cycle. For each row whose request has a design, the processor draws the
+member's token from the processed distribution and sets every other logit of the
+row to ``-inf``; vLLM's own sampler then can only return that token. Greedy rows
+and requests without a design are left untouched. Returned logprobs stay the
+model's own: raw modes are computed before any processor, and processed modes
+are corrected by :mod:`.logprobs`.
 
 Declaring argmax invariance is truthful for what vLLM uses it for: greedy rows
 are never modified, so no greedy argmax changes (an all-greedy batch skips the
@@ -25,20 +28,19 @@ processor entirely).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from qmc_sampler.vllm_plugin.members import GroupRegistry, Pending, Row
-from qmc_sampler.vllm_plugin.request_args import read_request, resolve
-
-from qmc_sampler.group import draw_members
-from qmc_sampler.processing import SAMPLING_EPS
+from qmc_sampler.vllm_plugin.adapters import MRV2Slots, V1Rows
+from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
+from qmc_sampler.vllm_plugin.logprobs import PROCESSED_MODES, Capture, require_for
+from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry
+from qmc_sampler.vllm_plugin.request_args import resolve
+from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
 if TYPE_CHECKING:
     from vllm.v1.sample.logits_processor import BatchUpdate
-
-from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
-from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
 try:  # Model Runner V2 ships with vLLM >= 0.32; absent elsewhere.
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
@@ -47,15 +49,32 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 
 __all__ = ["QMCLogitsProcessor", "plugin_stats"]
 
+logger = logging.getLogger("vllm.qmc_sampler")
+
 
 class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
     """Impose each group member's correlated, exact token choice (see module docstring)."""
 
     def __init__(self, vllm_config: Any, *args: Any) -> None:
         # V1: (vllm_config, device, is_pin_memory); MRV2: (vllm_config, req_states).
-        self._v2_req_states = args[0] if len(args) == 1 else None
-        self.registry = GroupRegistry()
-        self.rows: dict[int, Row] = {}  # V1: batch index; MRV2: request slot
+        self.interface = "mrv2" if len(args) == 1 else "v1"
+        salt = EngineSalt(
+            engine_seed=int(vllm_config.model_config.seed or 0),
+            dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
+        )
+        self.registry = MemberRegistry(resolver=GroupResolver(salt=salt))
+        self.v1 = V1Rows(self.registry)
+        self.mrv2 = MRV2Slots(self.registry, args[0]) if self.interface == "mrv2" else None
+        mode = str(vllm_config.model_config.logprobs_mode)
+        require_for(mode)
+        self._capture_rows = mode in PROCESSED_MODES
+        self._capture: Capture | None = None
+        logger.info(
+            "qmc-sampler: serving the %s logits-processor interface (logprobs_mode=%s, data-parallel rank %d)",
+            "Model Runner V2" if self.interface == "mrv2" else "V1 runner",
+            mode,
+            salt.dp_rank,
+        )
 
     # ---- shared -------------------------------------------------------------
     @classmethod
@@ -71,147 +90,99 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         """True: greedy rows are never modified (see module docstring)."""
         return True
 
-    def _new_row(self, params: Any, output_ids: list[int] | None, key: object) -> Row | None:
-        request = read_request(params.extra_args)
-        if request is None:
-            return None
-        top_k = params.top_k if params.top_k and params.top_k > 0 else 0
-        return self.registry.admit(
-            request,
-            output_ids,
-            key=key,
-            top_k=top_k,
-            top_p=float(params.top_p),
-            temperature=float(params.temperature),
-            min_p=float(params.min_p),
-        )
+    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """Impose the members' tokens on their rows (V1: ``apply(logits)``; MRV2: ``apply(logits, ctx)``)."""
+        if ctx is None:
+            row_ids, members = self.v1.active()
+        else:
+            assert self.mrv2 is not None
+            row_ids, members = self.mrv2.active(ctx, logits.shape[0])
+        if members:
+            self._impose(logits, row_ids, members, temperature_applied=ctx is None)
+        return logits
 
-    def _impose(self, logits: torch.Tensor, row_ids: list[int], rows: list[Row], temperature_applied: bool) -> None:
-        n = len(rows)
+    def take_capture(self) -> Capture | None:
+        """The rows imposed on in this step, before the mask (for :mod:`.logprobs`); cleared on read."""
+        capture, self._capture = self._capture, None
+        return capture
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this processor (see :func:`plugin_stats`)."""
+        reg, groups = self.registry.stats, self.registry.resolver.stats
+        return {
+            "interface": self.interface,
+            "rows": len(self.v1.rows) + (len(self.mrv2.slots) if self.mrv2 is not None else 0),
+            "admitted": reg.admitted,
+            "restored": reg.restored,
+            "lost": reg.lost,
+            "parked": self.registry.parked(),
+            "overflow": groups.overflow,
+            "auto_groups": groups.auto_groups,
+            "auto_members": groups.auto_members,
+            "auto_open": self.registry.resolver.open_auto_groups(),
+            "auto_expired": groups.auto_expired,
+            "auto_evicted": groups.auto_evicted,
+        }
+
+    def _impose(
+        self, logits: torch.Tensor, row_ids: list[int], members: list[Member], temperature_applied: bool
+    ) -> None:
         device = logits.device
         index = torch.tensor(row_ids, dtype=torch.long, device=device)
-        ones = torch.ones(n)
-        whole_batch = n == logits.shape[0] and row_ids == list(range(n))  # the usual case: no copy
-        draw, uniforms = draw_members(
-            logits if whole_batch else logits.index_select(0, index),
-            [r.state for r in rows],
-            temperature=ones if temperature_applied else torch.tensor([r.temperature for r in rows]),
-            top_k=torch.tensor([r.top_k for r in rows]),
-            top_p=torch.tensor([r.top_p for r in rows]),
-            min_p=None if temperature_applied else torch.tensor([r.min_p for r in rows]),
-        )
-        tokens = draw.tokens.to(device)
-        starts, probs = draw.starts.tolist(), draw.probs.tolist()
-        for j, (row, token) in enumerate(zip(rows, draw.tokens.tolist(), strict=True)):
-            row.pending = Pending(uniform=float(uniforms[j]), start=starts[j], prob=probs[j], token=token)
+        whole_batch = len(row_ids) == logits.shape[0] and row_ids == list(range(len(row_ids)))  # no copy
+        rows = logits if whole_batch else logits.index_select(0, index)
+        if self._capture_rows:
+            self._capture = Capture(
+                index,
+                rows.clone(),
+                [(m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.min_p) for m in members],
+            )
+        draw, _ = self.registry.draw(rows, members, temperature_applied=temperature_applied)
         if whole_batch:
             logits.fill_(float("-inf"))
         else:
             logits.index_fill_(0, index, float("-inf"))
-        logits[index, tokens] = 0.0
+        logits[index, draw.tokens.to(device)] = 0.0
 
     # ---- V1 runner ----------------------------------------------------------
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        """Track rows: removed → parked, added → admitted or resumed, moved → re-indexed."""
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            row = self.rows.pop(index, None)
-            if row is not None:
-                self.registry.park(row)
-        for index, params, _prompt_ids, output_ids in batch_update.added:
-            old = self.rows.pop(index, None)
-            if old is not None:
-                self.registry.park(old)
-            if params is None or params.temperature < SAMPLING_EPS:
-                continue
-            row = self._new_row(params, output_ids, key=output_ids)
-            if row is not None:
-                row.output_ids = output_ids
-                self.rows[index] = row
-        for a, b, direction in batch_update.moved:
-            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-            if ra is not None:
-                self.rows[b] = ra
-            if rb is not None:
-                if direction == MoveDirectionality.SWAP:
-                    self.rows[a] = rb
-                else:
-                    # Condensing moves a row onto a slot whose request left the batch;
-                    # that removal is not listed in `removed` (the move refills it).
-                    self.registry.park(rb)
-
-    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        """Impose the members' tokens on their rows (V1: ``apply(logits)``; MRV2: ``apply(logits, ctx)``)."""
-        if ctx is not None:
-            return self._apply_v2(logits, ctx)
-        if not self.rows:
-            return logits
-        row_ids, rows = [], []
-        for index, row in self.rows.items():
-            ids = row.output_ids if row.output_ids is not None else []
-            row.sync(len(ids), ids[-1] if ids else None, self.registry.stats)
-            row_ids.append(index)
-            rows.append(row)
-        self._impose(logits, row_ids, rows, temperature_applied=True)
-        return logits
+        """V1: track rows (removed → parked, added → admitted or resumed, moved → re-indexed)."""
+        if batch_update is not None:
+            self.v1.update(batch_update)
 
     # ---- Model Runner V2 ----------------------------------------------------
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
         """MRV2: a request takes slot ``req_idx`` (slots are reused; no removal hook)."""
-        old = self.rows.pop(req_idx, None)
-        if old is not None:
-            self.registry.park(old)
-        if sampling_params.temperature < SAMPLING_EPS:
-            return False
-        row = self._new_row(sampling_params, None, key=sampling_params)
-        if row is None:
-            return False
-        self.rows[req_idx] = row
-        return True
+        assert self.mrv2 is not None
+        return self.mrv2.add(req_idx, sampling_params)
 
     def apply_staged_writes(self) -> None:
-        """MRV2: nothing is staged on the device."""
-
-    def _apply_v2(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
-        if not self.rows:
-            return logits
-        slots = ctx.idx_mapping_np
-        if logits.shape[0] != len(slots):
-            raise RuntimeError("qmc-sampler does not support speculative decoding (one logits row per request)")
-        positions = ctx.pos.tolist() if hasattr(ctx.pos, "tolist") else list(ctx.pos)
-        prompt_len = self._v2_req_states.prompt_len.np
-        row_ids, rows = [], []
-        for r, slot in enumerate(slots.tolist()):
-            row = self.rows.get(slot)
-            if row is None:
-                continue
-            accepted = int(positions[r]) - int(prompt_len[slot]) + 1
-            if accepted < 0:
-                continue  # a partial prefill chunk: its sample is discarded
-            row.sync(accepted, None, self.registry.stats)
-            row_ids.append(r)
-            rows.append(row)
-        if rows:
-            self._impose(logits, row_ids, rows, temperature_applied=False)
-        return logits
+        """MRV2: admit this step's new requests, now that the runner has written their tokens."""
+        assert self.mrv2 is not None
+        self.mrv2.flush()
 
 
-def plugin_stats(worker: Any) -> dict[str, int]:
-    """The plugin's counters in one vLLM worker, for ``LLM.collective_rpc(plugin_stats)``.
+def plugin_stats(worker: Any) -> dict[str, Any]:
+    """The plugin's counters in one vLLM worker (``LLM.collective_rpc(plugin_stats)``, or the
+    worker extension's ``qmc_sampler_stats``).
 
     Returns:
-        ``{"restored": members resumed with their state after preemption,
-        "lost": members that continued with fresh uniforms, "overflow": arrivals
-        beyond a group's n, "rows": rows currently tracked}`` summed over the
-        worker's processor instances (V1 runner).
+        ``{"processors": instances found, "interface": "v1" | "mrv2" | None, and the
+        sums of :meth:`QMCLogitsProcessor.stats`}`` over the worker's processors:
+        ``restored`` members resumed after preemption, ``lost`` members that continued
+        with fresh uniforms, ``overflow`` arrivals beyond a group's n, ``auto_*`` the
+        auto-grouping counters, ``rows`` members in the batch now.
     """
-    totals = {"restored": 0, "lost": 0, "overflow": 0, "rows": 0}
-    for proc in worker.model_runner.input_batch.logitsprocs.all:
-        if isinstance(proc, QMCLogitsProcessor):
-            stats = proc.registry.stats
-            totals["restored"] += stats.restored
-            totals["lost"] += stats.lost_members
-            totals["overflow"] += stats.overflow
-            totals["rows"] += len(proc.rows)
+    runner = worker.model_runner
+    found: list[QMCLogitsProcessor] = []
+    batch = getattr(runner, "input_batch", None)
+    if batch is not None and getattr(batch, "logitsprocs", None) is not None:
+        found += [p for p in batch.logitsprocs.all if isinstance(p, QMCLogitsProcessor)]
+    sampler = getattr(runner, "sampler", None)
+    found += [p for p in getattr(sampler, "logits_processors", []) if isinstance(p, QMCLogitsProcessor)]
+    totals: dict[str, Any] = {"processors": len(found), "interface": found[0].interface if found else None}
+    for proc in found:
+        for key, value in proc.stats().items():
+            if key != "interface":
+                totals[key] = totals.get(key, 0) + value
     return totals

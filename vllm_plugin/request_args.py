@@ -3,66 +3,118 @@
 Requests choose a design through ``SamplingParams.extra_args`` (offline) or
 ``vllm_xargs`` (OpenAI server), a flat dict:
 
-============== ======================================================================
-key            meaning
-============== ======================================================================
-qmc_method     design name (``qmc_sampler.METHODS``); ``iid`` = independent draws
-qmc_seed       group seed (int); default: the request's ``seed``, else random
-qmc_order      vocabulary order, ``id`` (default) or ``sorted``
-qmc_group      group id (str/int) for callers that fan out n = 1 requests themselves
-qmc_index      this request's member index in ``[0, qmc_n)`` (needs ``qmc_group``)
-qmc_n          group size (needs ``qmc_group``)
-============== ======================================================================
+================ ====================================================================
+key              meaning
+================ ====================================================================
+qmc_method       design name (``qmc_sampler.METHODS``); ``iid`` = independent draws
+qmc_seed         group seed (int); default: the request's ``seed``
+qmc_order        vocabulary order, ``id`` (default) or ``sorted``
+qmc_group        group id (str/int) for callers that fan out n = 1 requests themselves
+qmc_index        this request's member index in ``[0, qmc_n)`` (needs ``qmc_group``)
+qmc_n            group size (needs ``qmc_group``)
+qmc_auto_group   0: do not group this n = 1 request with its repeats (default 1)
+================ ====================================================================
 
-Drop-in: with the environment variable ``QMC_SAMPLER=<design>`` every request with
-``n > 1`` and no ``qmc_method`` uses that design (``QMC_SAMPLER_ORDER`` sets the
-order). ``qmc_method=iid`` opts a request out of correlation.
+Engine-wide settings (environment of the process that admits requests: the
+OpenAI server, or the script that builds ``vllm.LLM``):
+
+============================== ======================================================
+variable                       meaning
+============================== ======================================================
+``QMC_SAMPLER``                drop-in design for every request without ``qmc_method``
+``QMC_SAMPLER_ORDER``          default vocabulary order
+``QMC_SAMPLER_AUTO_GROUP``     ``0``: never group repeated n = 1 requests (default on)
+``QMC_SAMPLER_GROUP_TTL``      seconds an auto group stays open after its last
+                               member left (default 300)
+============================== ======================================================
+
+Which group a request joins (:mod:`qmc_sampler.vllm_plugin.grouping` has the full
+rules): ``qmc_group`` given → an *explicit* group; ``n > 1`` → a *request* group
+of its children; ``n = 1`` with a design → an *auto* group of its repeats
+(unless auto-grouping is off, then a group of one).
 
 :func:`resolve` runs in ``validate_params``, i.e. in vLLM's front-end *before* the
 ``n > 1`` fan-out (``vllm/v1/engine/input_processor.py::_validate_params``, then
 ``params.clone()``, then ``vllm/v1/engine/parallel_sampling.py``), so what it writes
-into ``extra_args`` — a fresh group key, the group seed and size — is shared by all
-children of that request. It rewrites those private keys on every call because
-callers reuse one ``SamplingParams`` object for many prompts.
+into ``extra_args`` — the group key, kind, seed and size, and the front-end clock —
+is shared by all children of that request and seen alike by every worker. It
+rewrites those private keys on every call because callers reuse one
+``SamplingParams`` object for many prompts. It draws no randomness: seeds a
+request does not give are derived in the worker (``grouping``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import math
 import os
-import secrets
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from qmc_sampler.designs import METHODS
+from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.processing import SAMPLING_EPS
 
-__all__ = ["ENV_METHOD", "ENV_ORDER", "KEYS", "QMCRequest", "check_extra_args", "read_request", "resolve"]
+__all__ = [
+    "AUTO",
+    "ENV_AUTO_GROUP",
+    "ENV_GROUP_TTL",
+    "ENV_METHOD",
+    "ENV_ORDER",
+    "EXPLICIT",
+    "KEYS",
+    "REQUEST",
+    "QMCRequest",
+    "check_extra_args",
+    "read_request",
+    "resolve",
+]
+
+logger = logging.getLogger("vllm.qmc_sampler")
 
 ENV_METHOD = "QMC_SAMPLER"
 ENV_ORDER = "QMC_SAMPLER_ORDER"
-KEYS = ("qmc_method", "qmc_seed", "qmc_order", "qmc_group", "qmc_index", "qmc_n")
+ENV_AUTO_GROUP = "QMC_SAMPLER_AUTO_GROUP"
+ENV_GROUP_TTL = "QMC_SAMPLER_GROUP_TTL"
+DEFAULT_GROUP_TTL = 300.0
+KEYS = ("qmc_method", "qmc_seed", "qmc_order", "qmc_group", "qmc_index", "qmc_n", "qmc_auto_group")
+
+#: The kinds of group (see the module docstring).
+EXPLICIT, REQUEST, AUTO = "explicit", "request", "auto"
+
 # Written by `resolve` for the worker; not for users.
-_GROUP = "_qmc_group"
-_SEED = "_qmc_seed"
-_N = "_qmc_n"
-_METHOD = "_qmc_method"
-_ORDER = "_qmc_order"
-_INDEX = "_qmc_index"
-_USER_SEED = "_qmc_user_seed"
+_PRIVATE = "_qmc"
+_USER_SEED = "_qmc_user_seed"  # the vLLM `seed` moved out of vLLM's way (kept across reuse)
 
 
 @dataclass(frozen=True)
 class QMCRequest:
-    """What the worker needs to place one request (one member) in its group."""
+    """What the worker needs to place one request (one member) in its group.
 
+    Attributes:
+        kind: ``explicit``, ``request`` or ``auto``.
+        method, order: the design and vocabulary order.
+        seed: the group seed, or None (derived in the worker).
+        n: group size (0 for auto groups: extensible).
+        group: the group key (explicit and request groups; auto groups are keyed by prompt).
+        index: the member index if the caller gave one.
+        params_key: fingerprint of the sampling parameters (auto groups).
+        arrival: front-end clock at admission (seconds); ttl: auto-group time-to-live.
+    """
+
+    kind: str
     method: str
-    seed: int
-    n: int
     order: str
-    group: str
-    index: int | None  # None: assign in order of arrival within the group
+    seed: int | None
+    n: int
+    group: str = ""
+    index: int | None = None
+    params_key: str = ""
+    arrival: float = 0.0
+    ttl: float = DEFAULT_GROUP_TTL
 
 
 def _is_int(value: Any) -> bool:
@@ -103,6 +155,9 @@ def check_extra_args(extra: dict[str, Any]) -> None:
             raise ValueError(f"vllm_xargs 'qmc_index'={index} must be < 'qmc_n'={n}")
     if (group is None) != (n is None):
         raise ValueError("vllm_xargs 'qmc_group' and 'qmc_n' go together: give both or neither")
+    auto = extra.get("qmc_auto_group")
+    if auto is not None and auto not in (0, 1):  # JSON booleans arrive as 0/1
+        raise ValueError(f"vllm_xargs 'qmc_auto_group'={auto!r} must be 0 or 1")
 
 
 def _env_default(name: str, allowed: tuple[str, ...]) -> str | None:
@@ -112,6 +167,42 @@ def _env_default(name: str, allowed: tuple[str, ...]) -> str | None:
     if value not in allowed:
         raise ValueError(f"environment {name}={value!r} is not allowed; use one of {list(allowed)}")
     return value
+
+
+def _env_ttl() -> float:
+    raw = os.environ.get(ENV_GROUP_TTL, "").strip()
+    if not raw:
+        return DEFAULT_GROUP_TTL
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = math.nan
+    if not ttl >= 0:
+        raise ValueError(f"environment {ENV_GROUP_TTL}={raw!r} must be a number of seconds >= 0")
+    return ttl
+
+
+def _params_key(params: Any) -> str:
+    """A fingerprint of everything in ``params`` that shapes the samples (not the seed or output form)."""
+    fields = (
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.repetition_penalty,
+        params.max_tokens,
+        params.min_tokens,
+        params.stop,
+        params.stop_token_ids,
+        params.ignore_eos,
+        params.logit_bias,
+        params.allowed_token_ids,
+        params.bad_words,
+        params.structured_outputs,
+    )
+    return hashlib.blake2b(repr(fields).encode(), digest_size=12).hexdigest()
 
 
 def resolve(params: Any) -> QMCRequest | None:
@@ -128,11 +219,11 @@ def resolve(params: Any) -> QMCRequest | None:
         ``qmc_method`` and no drop-in default for it, or greedy decoding).
 
     Raises:
-        ValueError: naming the offending key and the allowed values.
+        ValueError: naming the offending key (or environment variable) and the allowed values.
     """
     extra: dict[str, Any] = dict(params.extra_args or {})
     # Drop a previous call's placement: one params object often serves many prompts.
-    stale = [k for k in extra if k.startswith("_qmc_") and k != _USER_SEED]
+    stale = [k for k in extra if k.startswith(_PRIVATE) and k != _USER_SEED]
     for key in stale:
         del extra[key]
     if stale:
@@ -140,8 +231,11 @@ def resolve(params: Any) -> QMCRequest | None:
     check_extra_args(extra)
     env_method = _env_default(ENV_METHOD, METHODS)
     env_order = _env_default(ENV_ORDER, ORDERS)
+    auto_on = _env_default(ENV_AUTO_GROUP, ("0", "1")) != "0" and extra.get("qmc_auto_group", 1) == 1
+    explicit = extra.get("qmc_group")
+    kind = EXPLICIT if explicit is not None else REQUEST if params.n > 1 or not auto_on else AUTO
     method = extra.get("qmc_method")
-    if method is None and env_method is not None and params.n > 1:
+    if method is None and not (kind == REQUEST and params.n == 1):  # the drop-in skips lone requests
         method = env_method
     if method is None or params.temperature < SAMPLING_EPS:
         return None
@@ -149,39 +243,42 @@ def resolve(params: Any) -> QMCRequest | None:
         extra[_USER_SEED] = params.seed
         params.seed = None
     seed = extra.get("qmc_seed", extra.get(_USER_SEED))
-    if seed is None:
-        seed = secrets.randbits(63)
-    explicit = extra.get("qmc_group")
-    request = QMCRequest(
-        method=method,
-        seed=int(seed),
-        n=int(extra["qmc_n"]) if explicit is not None else int(params.n),
-        order=extra.get("qmc_order") or env_order or "id",
-        # A caller's group id is namespaced by seed and method so that two designs
-        # or seeds under one id never share member indices.
-        group=f"user:{explicit}:{method}:{seed}" if explicit is not None else f"req:{uuid.uuid4().hex}",
-        index=extra.get("qmc_index"),
-    )
-    extra.update(
-        {_METHOD: request.method, _SEED: request.seed, _N: request.n, _ORDER: request.order, _GROUP: request.group}
-    )
-    if request.index is not None:
-        extra[_INDEX] = request.index
+    order = extra.get("qmc_order") or env_order or "id"
+    if kind == EXPLICIT:
+        # A caller's group id is namespaced by method and seed, so that two designs
+        # or seeds under one id never share member indices. Without any seed the
+        # group seed comes from the id, so all its members still share one group.
+        if seed is None:
+            from qmc_sampler.vllm_plugin.grouping import stable_seed
+
+            seed = stable_seed("qmc_group", str(explicit), method)
+        request = QMCRequest(
+            EXPLICIT, method, order, int(seed), int(extra["qmc_n"]), f"user:{explicit}:{method}:{seed}",
+            extra.get("qmc_index"),
+        )  # fmt: skip
+    elif kind == REQUEST:
+        request = QMCRequest(REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}")
     else:
-        extra.pop(_INDEX, None)
+        if not get_design(method).extensible:
+            logger.warning(
+                "qmc-sampler: %r needs its group size, which repeated n = 1 requests do not give; "
+                "they are grouped as an extensible lattice instead",
+                method,
+            )
+            method = "lattice"
+        request = QMCRequest(
+            AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl()
+        )
+    extra[_PRIVATE] = [
+        request.kind, request.method, request.order, request.seed, request.n, request.group, request.index,
+        request.params_key, request.arrival, request.ttl,
+    ]  # fmt: skip
     params.extra_args = extra
     return request
 
 
 def read_request(extra_args: dict[str, Any] | None) -> QMCRequest | None:
     """The placement ``resolve`` recorded, read back in the worker (None: no design)."""
-    if not extra_args or _GROUP not in extra_args:
+    if not extra_args or _PRIVATE not in extra_args:
         return None
-    return QMCRequest(
-        method=extra_args[_METHOD],
-        seed=int(extra_args[_SEED]),
-        n=int(extra_args[_N]),
-        order=extra_args[_ORDER],
-        group=str(extra_args[_GROUP]),
-        index=extra_args.get(_INDEX),
-    )
+    return QMCRequest(*extra_args[_PRIVATE])

@@ -39,7 +39,8 @@ def test_invalid_sampling_parameters_are_named(toy_model, kwargs, message):
     ("args", "message"),
     [
         (("lattic", 4, 0), r"method='lattic' is not a design; use one of"),
-        (("lattice", 0, 0), r"n=0 is not a group size; use an int >= 1"),
+        (("lattice", -1, 0), r"n=-1 is not a group size; use an int >= 1 \(or 0 for an extensible group\)"),
+        (("stratified", 0, 0), r"method='stratified' needs its group size; extensible groups \(n=0\) take one of"),
         (("lattice", 2.0, 0), r"n=2.0 is not a group size"),
         (("lattice", 4, "7"), r"seed='7' is not an int"),
         (("lattice", 4, 0, "alpha"), r"order='alpha' is not a vocabulary order; use one of"),

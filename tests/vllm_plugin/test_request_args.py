@@ -3,7 +3,7 @@
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed")
-from qmc_sampler.vllm_plugin.request_args import read_request, resolve  # noqa: E402
+from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, read_request, resolve  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 
@@ -11,14 +11,15 @@ def test_a_design_is_recorded_for_the_worker():
     sp = SamplingParams(n=8, extra_args={"qmc_method": "lattice", "qmc_seed": 5, "qmc_order": "sorted"})
     request = resolve(sp)
     assert request == read_request(sp.extra_args)
-    assert (request.method, request.seed, request.n, request.order, request.index) == ("lattice", 5, 8, "sorted", None)
+    assert (request.kind, request.method, request.seed) == (REQUEST, "lattice", 5)
+    assert (request.n, request.order) == (8, "sorted")
 
 
 def test_each_admission_of_a_reused_params_object_is_a_new_group():
     sp = SamplingParams(n=4, extra_args={"qmc_method": "lattice"})
     first, second = resolve(sp), resolve(sp)
     assert first.group != second.group
-    assert first.seed != second.seed  # no seed given: a fresh random group seed each time
+    assert first.seed is None and second.seed is None  # drawn in the worker, fresh for each group
 
 
 def test_the_vllm_seed_becomes_the_group_seed_and_leaves_vllm():
@@ -40,25 +41,55 @@ def test_greedy_requests_are_left_alone():
     assert resolve(SamplingParams(temperature=0.0, extra_args={"qmc_method": "lattice"})) is None
 
 
-def test_drop_in_environment_applies_to_n_above_one_only(monkeypatch):
+def test_drop_in_groups_n_above_one_and_repeated_n_equal_one(monkeypatch):
     monkeypatch.setenv("QMC_SAMPLER", "lattice")
-    assert resolve(SamplingParams(n=4)).method == "lattice"
-    assert resolve(SamplingParams(n=1)) is None
+    assert resolve(SamplingParams(n=4)).kind == REQUEST
+    lone = resolve(SamplingParams(n=1))
+    assert (lone.kind, lone.method, lone.n) == (AUTO, "lattice", 0)
     assert resolve(SamplingParams(n=4, extra_args={"qmc_method": "iid"})).method == "iid"
 
 
-def test_drop_in_environment_value_is_checked(monkeypatch):
-    monkeypatch.setenv("QMC_SAMPLER", "latice")
-    with pytest.raises(ValueError, match=r"environment QMC_SAMPLER='latice' is not allowed; use one of"):
-        resolve(SamplingParams(n=4))
+def test_auto_grouping_can_be_turned_off_per_request_and_per_engine(monkeypatch):
+    monkeypatch.setenv("QMC_SAMPLER", "lattice")
+    assert resolve(SamplingParams(n=1, extra_args={"qmc_auto_group": 0})) is None  # the drop-in skips lone requests
+    explicit = resolve(SamplingParams(n=1, extra_args={"qmc_method": "lattice", "qmc_auto_group": 0}))
+    assert (explicit.kind, explicit.n) == (REQUEST, 1)
+    monkeypatch.setenv("QMC_SAMPLER_AUTO_GROUP", "0")
+    assert resolve(SamplingParams(n=1)) is None
+    assert resolve(SamplingParams(n=4)).kind == REQUEST
+
+
+def test_auto_groups_carry_the_params_fingerprint_and_the_front_end_clock(monkeypatch):
+    monkeypatch.setenv("QMC_SAMPLER_GROUP_TTL", "7.5")
+    a = resolve(SamplingParams(n=1, temperature=0.8, extra_args={"qmc_method": "lattice"}))
+    b = resolve(SamplingParams(n=1, temperature=0.8, seed=1234, extra_args={"qmc_method": "lattice"}))
+    c = resolve(SamplingParams(n=1, temperature=0.9, extra_args={"qmc_method": "lattice"}))
+    assert a.params_key == b.params_key != c.params_key  # the seed is part of the group key, not the params key
+    assert (a.seed, b.seed) == (None, 1234)
+    assert a.ttl == 7.5 and a.arrival > 1e9
+
+
+def test_designs_that_need_a_size_are_auto_grouped_as_lattices(caplog):
+    request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"}))
+    assert request.method == "lattice"
+    assert "needs its group size" in caplog.text
 
 
 def test_caller_fan_out_keys():
     extra = {"qmc_method": "lattice", "qmc_seed": 1, "qmc_group": "g1", "qmc_index": 3, "qmc_n": 8}
     request = resolve(SamplingParams(n=1, extra_args=extra))
-    assert (request.n, request.index) == (8, 3)
+    assert (request.kind, request.n, request.index) == (EXPLICIT, 8, 3)
     again = resolve(SamplingParams(n=1, extra_args=extra | {"qmc_index": 4}))
     assert again.group == request.group
+
+
+def test_an_explicit_group_without_a_seed_still_shares_one_seed():
+    # Without this, every member drew its own random seed and nothing was correlated.
+    extra = {"qmc_method": "lattice", "qmc_group": "g2", "qmc_n": 4}
+    seeds = {resolve(SamplingParams(n=1, extra_args=extra | {"qmc_index": i})).seed for i in range(4)}
+    assert len(seeds) == 1
+    other = resolve(SamplingParams(n=1, extra_args=extra | {"qmc_group": "g3", "qmc_index": 0})).seed
+    assert other not in seeds
 
 
 @pytest.mark.parametrize(
@@ -72,9 +103,24 @@ def test_caller_fan_out_keys():
         ({"qmc_method": "lattice", "qmc_index": 1}, r"'qmc_index' needs 'qmc_group' and 'qmc_n'"),
         ({"qmc_method": "lattice", "qmc_index": 8, "qmc_group": "g", "qmc_n": 8}, r"'qmc_index'=8 must be < 'qmc_n'=8"),
         ({"qmc_method": "lattice", "qmc_group": "g"}, r"'qmc_group' and 'qmc_n' go together"),
+        ({"qmc_method": "lattice", "qmc_auto_group": 2}, r"'qmc_auto_group'=2 must be 0 or 1"),
         ({"qmc_metod": "lattice"}, r"unknown extra_args/vllm_xargs key 'qmc_metod'"),
     ],
 )
 def test_bad_arguments_name_the_key(extra, message):
     with pytest.raises(ValueError, match=message):
         resolve(SamplingParams(n=2, extra_args=extra))
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("QMC_SAMPLER", "latice", r"environment QMC_SAMPLER='latice' is not allowed; use one of"),
+        ("QMC_SAMPLER_AUTO_GROUP", "yes", r"environment QMC_SAMPLER_AUTO_GROUP='yes' is not allowed"),
+        ("QMC_SAMPLER_GROUP_TTL", "-1", r"environment QMC_SAMPLER_GROUP_TTL='-1' must be a number of seconds"),
+    ],
+)
+def test_bad_environment_names_the_variable(monkeypatch, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
+        resolve(SamplingParams(n=1, extra_args={"qmc_method": "lattice"}))

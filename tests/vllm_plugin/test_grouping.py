@@ -1,0 +1,111 @@
+"""Who is which member: the three kinds of group, seeds, salts and auto-group lifetime (no engine)."""
+
+import numpy as np
+import pytest
+from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
+from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
+
+from qmc_sampler.group import EXTENSIBLE, GroupSpec
+
+PROMPT = [5, 6, 7]
+
+
+def auto(seed=None, t=0.0, ttl=10.0, key="params", method="lattice"):
+    return QMCRequest(AUTO, method, "id", seed, 0, params_key=key, arrival=t, ttl=ttl)
+
+
+def place(resolver, request, prompt=PROMPT):
+    return resolver.place(request, resolver.key(request, prompt))
+
+
+def test_auto_groups_are_extensible_lattices_numbered_by_arrival():
+    r = GroupResolver()
+    placements = [place(r, auto(t=1.0)) for _ in range(5)]
+    assert [p.member for p in placements] == [0, 1, 2, 3, 4]
+    assert {p.spec.n for p in placements} == {EXTENSIBLE}
+    assert len({p.spec.seed for p in placements}) == 1
+
+
+def test_other_prompts_params_or_seeds_are_other_groups():
+    r = GroupResolver()
+    base = place(r, auto(t=1.0))
+    assert place(r, auto(t=1.0), prompt=[5, 6, 8]).member == 0
+    assert place(r, auto(t=1.0, key="other")).member == 0
+    assert place(r, auto(seed=3, t=1.0)).member == 0
+    assert place(r, auto(t=1.0)).member == 1 and base.member == 0
+
+
+def test_an_open_group_never_reuses_an_index_and_an_expired_one_starts_again():
+    r = GroupResolver()
+    first = [place(r, auto(seed=42, t=10.0)) for _ in range(3)]
+    for p in first:
+        r.joined(p)
+        r.left(p)  # all members finished; the group is idle from the clock's 10.0
+    assert place(r, auto(seed=42, t=15.0)).member == 3  # within the ttl: continue
+    again = place(r, auto(seed=42, t=30.0))  # long after: the same group from the start
+    assert again.member == 0 and again.spec.seed == first[0].spec.seed
+    assert r.stats.auto_expired == 1
+
+
+def test_a_group_with_live_members_does_not_expire():
+    r = GroupResolver()
+    p = place(r, auto(t=0.0, ttl=1.0))
+    r.joined(p)
+    assert place(r, auto(t=1000.0, ttl=1.0)).member == 1
+
+
+def test_unseeded_groups_are_fresh_and_seeded_ones_reproduce():
+    def run():
+        r = GroupResolver()
+        fresh = [place(r, auto(t=0.0), prompt=[i]).spec.seed for i in range(3)]
+        return fresh, place(r, auto(seed=9, t=0.0)).spec.seed
+
+    (fresh_a, seeded_a), (fresh_b, seeded_b) = run(), run()
+    assert len(set(fresh_a)) == 3  # every new group its own seed
+    assert fresh_a == fresh_b  # and the same sequence in every worker of one engine
+    assert seeded_a == seeded_b
+
+
+def test_engines_are_salted_apart_but_explicit_groups_are_not():
+    a, b = GroupResolver(salt=EngineSalt(0, 0)), GroupResolver(salt=EngineSalt(0, 1))
+    assert place(a, auto(seed=5)).spec.seed != place(b, auto(seed=5)).spec.seed
+    request = QMCRequest(REQUEST, "lattice", "id", 5, 8, "req:1")
+    assert place(a, request).spec.seed == 5  # rank 0 keeps the user's seed
+    assert place(b, request).spec.seed != 5
+    explicit = QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:g", 3)
+    assert place(a, explicit).spec == place(b, explicit).spec == GroupSpec("lattice", 8, 5)
+
+
+def test_overflow_is_counted_and_fresh():
+    r = GroupResolver()
+    request = QMCRequest(REQUEST, "iid", "id", 1, 2, "req:z")
+    placements = [place(r, request) for _ in range(3)]
+    assert [p.fresh for p in placements] == [False, False, True]
+    assert r.stats.overflow == 1
+
+
+def test_open_groups_are_bounded_and_live_ones_are_kept():
+    r = GroupResolver(max_open_groups=4)
+    live = place(r, auto(t=0.0), prompt=[0])
+    r.joined(live)
+    for i in range(1, 10):
+        place(r, auto(t=0.0), prompt=[i])
+    assert r.open_auto_groups() == 4
+    assert r.stats.auto_evicted == 6
+    assert place(r, auto(t=0.0), prompt=[0]).member == 1  # the live group was kept
+
+
+@pytest.mark.parametrize("method", ["stratified", "arithmetic"])
+def test_designs_that_need_their_size_cannot_be_extensible(method):
+    with pytest.raises(ValueError, match="needs its group size"):
+        GroupSpec(method, EXTENSIBLE, 1)
+
+
+def test_the_extensible_lattice_is_balanced_over_every_power_of_two_prefix():
+    from qmc_sampler.designs import get_design
+
+    codes = get_design("lattice").start_codes(np.full(64, 3, np.uint64), np.zeros(64, np.int64), np.arange(64))
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        # The first m codes are Δ + {0, 1/m, …, (m−1)/m}: one in each of m equal cells.
+        offsets = np.rint(((codes[:m] - codes[0]) % 1.0) * m).astype(int) % m
+        assert sorted(offsets) == list(range(m)), m

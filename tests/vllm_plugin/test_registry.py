@@ -1,0 +1,148 @@
+"""The member registry (no engine): placement, the draw cycle, parking and resumption."""
+
+import gc
+import weakref
+
+import numpy as np
+from qmc_sampler.vllm_plugin.grouping import GroupResolver
+from qmc_sampler.vllm_plugin.registry import MemberRegistry, Pending, RowSampling, token_history
+from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
+
+from qmc_sampler.group import member_uniforms
+
+REQ = QMCRequest(REQUEST, "lattice", "id", 1, 4, "req:g")
+PLAIN = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+PROMPT = [1, 2, 3]
+
+
+def admit(reg, request=REQ, output=(), identity=None):
+    return reg.admit(request, PLAIN, PROMPT, list(output), identity)
+
+
+def accept(reg, member, token, accepted):
+    member.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=token)
+    reg.sync(member, accepted, token)
+
+
+def test_members_get_indices_in_order_of_arrival_per_group():
+    reg = MemberRegistry()
+    rows = [admit(reg) for _ in range(3)]
+    other = admit(reg, QMCRequest(REQUEST, "lattice", "id", 1, 4, "req:h"))
+    assert [r.placement.member for r in rows] == [0, 1, 2]
+    assert other.placement.member == 0
+
+
+def test_an_explicit_index_is_used():
+    reg = MemberRegistry()
+    member = admit(reg, QMCRequest(EXPLICIT, "lattice", "id", 1, 8, "user:g", 5))
+    assert member.placement.member == 5 and member.state.member == 5
+
+
+def test_a_draw_is_committed_only_when_the_engine_accepts_it():
+    reg = MemberRegistry()
+    m = admit(reg)
+    m.state.code = 0.6
+    m.pending = Pending(uniform=0.6, start=0.5, prob=0.25, token=9)
+    reg.sync(m, 0, None)  # discarded (chunked prefill): nothing changes
+    assert m.state.step == 0 and m.pending is None and m.state.code == 0.6
+    m.pending = Pending(uniform=0.6, start=0.5, prob=0.25, token=9)
+    reg.sync(m, 1, 9)  # accepted
+    assert m.state.step == 1 and abs(m.state.code - 0.4) < 1e-12 and m.state.width == 0.25
+    assert m.history == token_history([9])
+
+
+def test_a_parked_member_is_resumed_by_its_token_history():
+    reg = MemberRegistry()
+    a, b = admit(reg), admit(reg)
+    accept(reg, a, 3, 1)
+    accept(reg, b, 4, 1)
+    reg.park(a)
+    reg.park(b)
+    assert admit(reg, output=[4]) is b
+    assert admit(reg, output=[3]) is a
+    assert reg.stats.restored == 2 and reg.stats.lost == 0
+
+
+def test_a_pending_draw_accepted_while_parked_is_committed_on_resume():
+    reg = MemberRegistry()
+    m = admit(reg)
+    m.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.park(m)
+    again = admit(reg, output=[7])
+    assert again is m
+    reg.sync(again, 1, 7)
+    assert again.state.step == 1 and not again.state.fresh
+
+
+def test_identity_is_checked_against_the_token_history():
+    # Model Runner V2 identifies members by the params object, which the children
+    # of one request share: a sibling with another history must not be taken.
+    reg = MemberRegistry()
+    shared = 1234  # one params object for both children
+    a, b = admit(reg, identity=shared), admit(reg, identity=shared)
+    accept(reg, a, 3, 1)
+    accept(reg, b, 4, 1)
+    reg.park(a)
+    reg.park(b)
+    assert admit(reg, output=[4], identity=shared) is b
+    assert admit(reg, output=[3], identity=shared) is a
+
+
+def test_an_unrecoverable_member_continues_fresh_and_is_counted():
+    reg = MemberRegistry()
+    m = admit(reg, output=[1, 2, 3])
+    assert m.state.fresh and m.state.step == 3 and reg.stats.lost == 1
+
+
+def test_members_beyond_n_draw_their_own_fresh_streams():
+    # A per-step design's extra member used to take member % n and repeat a
+    # sibling's completion exactly; it must get a stream of its own.
+    for method in ("iid", "sobol", "antithetic", "lattice", "stratified"):
+        reg = MemberRegistry()
+        request = QMCRequest(REQUEST, method, "id", 7, 4, "req:x")
+        members = [admit(reg, request) for _ in range(6)]
+        assert [m.placement.member for m in members] == [0, 1, 2, 3, 4, 5]
+        assert members[4].state.fresh and members[5].state.fresh
+        assert reg.resolver.stats.overflow == 2
+        for step in range(5):
+            for m in members:
+                m.state.step = step
+            u = member_uniforms([m.state for m in members])
+            for extra in (4, 5):
+                assert not np.isin(u[extra], np.delete(u, extra)), (method, step, u)
+
+
+def test_parked_members_hold_no_engine_buffers():
+    class OutputIds(list):  # a list the test can watch
+        pass
+
+    reg = MemberRegistry()
+    output = OutputIds(range(1000))
+    watch = weakref.ref(output)
+    m = reg.admit(REQ, PLAIN, PROMPT, output, id(output))
+    reg.park(m)
+    del output
+    gc.collect()
+    assert watch() is None, "a parked member keeps the engine's output-id list alive"
+    assert reg.parked() == 1
+
+
+def test_a_new_request_never_takes_a_parked_siblings_member():
+    reg = MemberRegistry()
+    first = admit(reg, identity=1)
+    first.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.park(first)  # preempted before its first token was known to be accepted
+    newcomer = admit(reg, identity=2)
+    assert newcomer is not first and newcomer.placement.member == 1
+    assert admit(reg, output=[7], identity=1) is first
+
+
+def test_auto_group_members_are_counted_live_while_in_the_batch():
+    reg = MemberRegistry(resolver=GroupResolver())
+    request = QMCRequest(AUTO, "lattice", "id", None, 0, params_key="k", arrival=100.0, ttl=5.0)
+    a, b = admit(reg, request), admit(reg, request)
+    assert (a.placement.member, b.placement.member) == (0, 1)
+    reg.park(a)
+    reg.park(b)
+    later = QMCRequest(AUTO, "lattice", "id", None, 0, params_key="k", arrival=104.0, ttl=5.0)
+    assert admit(reg, later).placement.member == 2  # still open: never reuses an index

