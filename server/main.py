@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
+from qmc_sampler.cpu_defaults import DTYPES
 from qmc_sampler.designs import METHODS
 
 __all__ = ["main"]
@@ -36,7 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sampler", choices=METHODS, default="lattice", help="design for requests without `sampler`")
     p.add_argument("--max-n", type=int, default=128, help="largest n a request may ask for")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="engine dtype; auto: bf16 where the CPU has native bf16, else float32 (GPUs: the model's)",
+    )
     p.add_argument("--kv-cache-gb", type=int, default=None, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--no-enforce-eager", action="store_true", help="let vLLM compile (slower start)")
     return p
@@ -51,20 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gb)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
+    import torch
     import uvicorn
     from fastapi import FastAPI
     from qmc_sampler.server.app import ServerSettings, build_app
+    from qmc_sampler.vllm_plugin.checks import require_plugin_async
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from qmc_sampler.cpu_defaults import cpu_engine_env, engine_dtype
     from qmc_sampler.models import resolve_model
 
     try:
         model = resolve_model(args.model)
     except ValueError as e:
         _parser().error(str(e))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = engine_dtype(args.dtype, device, model)
+    if device == "cpu":
+        os.environ.update(cpu_engine_env())
+    print(f"qmc-serve: {model} on {device} in {dtype} ({why})", flush=True)
     engine_args = AsyncEngineArgs(
-        model=model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.no_enforce_eager, seed=0
+        model=model, dtype=dtype, max_model_len=args.max_model_len, enforce_eager=not args.no_enforce_eager, seed=0
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
 
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The engine is created inside the server's event loop, which its output handler uses.
         engine = AsyncLLM.from_engine_args(engine_args)
+        await require_plugin_async(engine)  # never label i.i.d. samples "lattice"
         settings = ServerSettings(
             model_name=name,
             max_model_len=engine.model_config.max_model_len,

@@ -1,4 +1,4 @@
-"""``qmc-eval run`` on a real vLLM engine (tiny model): samples, resume, settings guard."""
+"""``qmc-eval run`` on a real vLLM engine (tiny model): samples, member indices, resume, settings guard."""
 
 import json
 import subprocess
@@ -9,25 +9,27 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM not installed")
 pytest.importorskip("reasoning_gym", reason="eval extra not installed")
 
+from qmc_sampler.eval.generation import InProcessBackend
 from qmc_sampler.eval.runner import RunConfig, RunError, group_seed, run
 from qmc_sampler.eval.samples import correct_arrays, read_samples
+from qmc_sampler.eval.tasks import get_task
+
+from qmc_sampler import GroupSpec, sample_group
 
 pytestmark = pytest.mark.vllm
 
 
-class CountingEngine:
-    """The real engine, counting the group requests it is given (a spy, not a stand-in)."""
+class CountingBackend(InProcessBackend):
+    """The real in-process backend, counting the groups it is given (a spy, not a stand-in)."""
 
     def __init__(self, llm):
-        self.llm = llm
-        self.requests = 0
+        super().__init__(llm)
+        self.groups = 0
 
-    def get_tokenizer(self):
-        return self.llm.get_tokenizer()
-
-    def generate(self, prompts, params, **kwargs):
-        self.requests += len(prompts)
-        return self.llm.generate(prompts, params, **kwargs)
+    def run(self, jobs, on_group):
+        jobs = list(jobs)
+        self.groups += len(jobs)
+        super().run(jobs, on_group)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def config(out, **kw):
                 "problems": 3,
                 "out": str(out),
                 "max_tokens": 6,
-                "batch_groups": 3,
+                "max_members_in_flight": 12,
             }
             | kw
         )
@@ -64,7 +66,8 @@ def test_every_sample_is_written_with_its_group_and_score(llm, tmp_path):
     records = read_samples(out / "samples.jsonl")
     assert len(records) == 2 * 3 * 2 * 4
     r = records[0]
-    assert set(r) == {"task", "problem", "sampler", "group", "group_seed", "member", "n", "text", "score"}
+    assert set(r) == {"task", "problem", "sampler", "group", "group_seed", "member", "n", "text", "score", "failure"}
+    assert all((rec["failure"] is None) == rec["score"] for rec in records)
     assert r["group_seed"] == group_seed(0, "basic_arithmetic", r["problem"], r["group"])
     cells = correct_arrays(records)
     assert {c.correct.shape for c in cells} == {(2, 4)}
@@ -79,13 +82,39 @@ def test_an_interrupted_run_resumes_without_redoing_finished_groups(llm, tmp_pat
     kept = full.read_text().splitlines(keepends=True)[: 5 * 4]  # five finished groups...
     torn = full.read_text().splitlines(keepends=True)[5 * 4][:17]  # ...and a write cut mid-line
     (part / "samples.jsonl").write_text("".join(kept) + torn)
-    spy = CountingEngine(llm)
-    run(config(part), engine=spy, progress=False)
-    assert spy.requests == 12 - 5
+    spy = CountingBackend(llm)
+    run(config(part), backend=spy, progress=False)
+    assert spy.groups == 12 - 5
     assert lines(part / "samples.jsonl") == lines(full)
-    spy.requests = 0
-    run(config(part), engine=spy, progress=False)  # complete: nothing to do
-    assert spy.requests == 0
+    spy.groups = 0
+    run(config(part), backend=spy, progress=False)  # complete: nothing to do
+    assert spy.groups == 0
+
+
+def test_members_are_recorded_by_their_true_index(llm, hf_model, tmp_path):
+    # Each member is its own request with qmc_index, so record i is member i of the
+    # design whatever order the engine finishes them in: it equals the reference loop.
+    cfg = config(tmp_path / "m", samplers=("lattice",), problems=1, groups=1, n=8, temperature=1.5)
+    records = read_samples(run(cfg, engine=llm, progress=False) / "samples.jsonl")
+    tokenizer = llm.get_tokenizer()
+    problem = get_task("basic_arithmetic").problems(1, 0)[0]
+    text = tokenizer.apply_chat_template(problem.messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+
+    def next_logits(prefixes):
+        import torch
+
+        with torch.no_grad():
+            return torch.cat([hf_model(torch.tensor([list(prompt) + p])).logits[0, -1:] for p in prefixes])
+
+    seed = group_seed(0, "basic_arithmetic", 0, 0)
+    spec = GroupSpec("lattice", 8, seed)
+    reference = sample_group(next_logits, spec, 6, temperature=1.5, eos_token_id=tokenizer.eos_token_id)
+    texts = {r["member"]: r["text"] for r in records}
+    assert len(set(texts.values())) > 1
+    for member, tokens in enumerate(reference):
+        # the engine also stops at "</answer>", which the reference loop does not know
+        assert tokenizer.decode(tokens, skip_special_tokens=True).startswith(texts[member]), member
 
 
 def test_resuming_with_other_settings_is_refused(llm, tmp_path):

