@@ -1,12 +1,21 @@
 """Deep sequences stay exact: the carried code switches to fresh uniforms in time.
 
 A member that carries a float64 code for hundreds of steps of small probabilities
-consumes far more than 53 bits. Test: the token distribution at deep steps, pooled
-over members and groups, matches the model (chi-square, α = 1e-3 / 5 checks); and
-the same run with the precision floor disabled is detectably wrong, which shows
-the floor is what keeps it exact. The negative check uses a uniform 4-token model:
-its CDF is exact in float64, so the carry shifts out exactly two bits a step and a
-code with no floor is all zeros after ~27 steps.
+consumes far more than 53 bits. Tests:
+
+* deep steps: the token distribution long after every member went fresh, pooled
+  over members and groups, matches the model; and the same run with the
+  precision floor disabled is detectably wrong, which shows the floor is what
+  keeps it exact (a uniform 4-token model: its CDF is exact in float64, so the
+  carry shifts out exactly two bits a step and a code with no floor is all
+  zeros after ~27 steps);
+* *near* the floor: the tokens a member draws while it still carries, with a
+  prefix width W between the floor F and 16·F (24–32 bits of the code already
+  consumed at F = 2^-32), match the model. Which steps qualify depends only on
+  the past, so each selected token is still a draw from q. The same check with a
+  floor too low for float64 (2^-52) fails: that is the regime the floor avoids.
+
+Significance: α = 1e-3 / 8 checks (Bonferroni).
 """
 
 import numpy as np
@@ -20,7 +29,7 @@ from qmc_sampler import GroupSpec, MemberState, sample_members
 STEPS = 300
 SKEWED = np.array([0.05, 0.15, 0.8])  # ~0.9 bits a step on average, 3-4 bits on rare tokens
 UNIFORM = np.full(4, 0.25)
-ALPHA = 1e-3 / 5
+ALPHA = 1e-3 / 8
 
 
 def deep_tokens(method: str, q: np.ndarray, groups: int = 400, n: int = 2) -> tuple[np.ndarray, list[MemberState]]:
@@ -51,3 +60,32 @@ def test_without_the_floor_a_deep_carry_degenerates(monkeypatch):
     counts = np.bincount(tokens[:, 100:].ravel(), minlength=4)
     assert stats.chisquare(counts, UNIFORM * counts.sum()).pvalue < ALPHA
     assert (tokens[:, 100:] == 0).all()  # the code has run out of bits: always the first token
+
+
+def near_floor_tokens(method: str, q: np.ndarray, floor: float, groups: int = 1500) -> np.ndarray:
+    """Tokens drawn while carrying with a prefix width W ∈ [floor, 16·floor), pooled."""
+    logits = torch.tensor(np.log(q), dtype=torch.float32)
+    states = [MemberState(spec=GroupSpec(method, 2, seed=g), member=i) for g in range(groups) for i in range(2)]
+    rows = len(states)
+    picked = []
+    for _ in range(160):
+        near = np.array([not s.fresh and floor <= s.width < 16 * floor for s in states])
+        draw = sample_members(logits.expand(rows, -1), states, torch.ones(rows))
+        picked.append(draw.tokens.numpy()[near])
+    return np.concatenate(picked)
+
+
+@pytest.mark.parametrize("q", [SKEWED, UNIFORM], ids=["skewed", "uniform"])
+def test_the_carry_is_exact_just_above_the_floor(q):
+    tokens = near_floor_tokens("stratified", q, group_module.PRECISION_FLOOR)
+    assert len(tokens) > 2000
+    counts = np.bincount(tokens, minlength=len(q))
+    assert stats.chisquare(counts, q * counts.sum()).pvalue > ALPHA
+
+
+def test_a_floor_too_low_for_float64_is_caught_by_the_near_floor_check(monkeypatch):
+    floor = 2.0**-52
+    monkeypatch.setattr(group_module, "PRECISION_FLOOR", floor)
+    tokens = near_floor_tokens("stratified", UNIFORM, floor)
+    counts = np.bincount(tokens, minlength=4)
+    assert stats.chisquare(counts, UNIFORM * counts.sum()).pvalue < ALPHA

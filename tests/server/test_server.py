@@ -92,7 +92,14 @@ def test_chat_with_n8(client):
     )
     assert sorted(c.index for c in response.choices) == list(range(8))
     assert all(c.message.role == "assistant" for c in response.choices)
-    assert all(len(c.logprobs.content[0].top_logprobs) <= 3 for c in response.choices)
+    for choice in response.choices:
+        for position in choice.logprobs.content:
+            tops = position.top_logprobs
+            assert len(tops) == 2, tops  # exactly top_logprobs=2 alternatives at every position
+            assert tops[0].logprob >= tops[1].logprob
+            assert position.logprob <= tops[0].logprob + 1e-6
+            if position.token in [t.token for t in tops]:
+                assert position.logprob == pytest.approx(next(t.logprob for t in tops if t.token == position.token))
     again = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hello"}], n=8, max_tokens=3, seed=11
     )
@@ -158,15 +165,15 @@ def test_streaming_interleaves_choices_and_ends_with_usage_and_done(client, base
 
 
 def test_chat_streaming(client):
-    stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, stream=True
-    )
+    request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, seed=21)
     roles, content = {}, {}
-    for chunk in stream:
+    for chunk in client.chat.completions.create(**request, stream=True):
         for choice in chunk.choices:
             roles.setdefault(choice.index, choice.delta.role)
             content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
     assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    whole = client.chat.completions.create(**request)
+    assert [content[i] for i in range(3)] == [c.message.content for c in whole.choices]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_engine(base_url):

@@ -1,0 +1,177 @@
+"""The suite catches a broken sampler: known-critical lines, flipped one at a time.
+
+Each mutant replaces one snippet of the core (or the estimator) in a *copy* of the
+installed package, and runs the tests named as its killers against that copy in a
+subprocess (``PYTHONPATH`` puts the copy ahead of the editable install). The
+mutant counts as killed only if those tests *fail* (pytest exit code 1) — not if
+they error out or select nothing. A mutant whose snippet is no longer found in the
+source fails loudly, so the list is kept in step with the code.
+
+Run alone: ``pytest tests/mutation -v`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The installed package name → the source folder it is built from (setup.py's package_dir).
+PACKAGE_DIRS = {"": "qmc_sampler", "eval": "eval", "vllm_plugin": "vllm_plugin", "server": "server"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # source file, relative to the repository
+    original: str
+    mutated: str
+    killers: tuple[str, ...]  # test node ids that must fail
+
+
+MUTANTS = [
+    Mutant(
+        "carry without the division by q(y)",
+        "qmc_sampler/group.py",
+        "state.code = min(max((uniform - start) / prob, 0.0), math.nextafter(1.0, 0.0))",
+        "state.code = min(max((uniform - start), 0.0), math.nextafter(1.0, 0.0))",
+        ("tests/core/test_exactness.py::test_long_carries_stay_exact",),
+    ),
+    Mutant(
+        # (Reflecting the residual inside the token's interval, 1 − (u − F)/q, is NOT a
+        # bug: it is still uniform and the design stays exact, so it is not listed.)
+        "the code is not carried (u reused as it is)",
+        "qmc_sampler/group.py",
+        "state.code = min(max((uniform - start) / prob, 0.0), math.nextafter(1.0, 0.0))",
+        "state.code = min(max(uniform, 0.0), math.nextafter(1.0, 0.0))",
+        ("tests/core/test_lattice.py",),
+    ),
+    Mutant(
+        "prefix width never shrinks (no switch to fresh uniforms)",
+        "qmc_sampler/group.py",
+        "    state.width *= prob\n",
+        "    state.width *= 1.0\n",
+        ("tests/core/test_precision.py::test_deep_steps_follow_the_model",),
+    ),
+    Mutant(
+        "lattice without its random shift",
+        "qmc_sampler/designs.py",
+        "return np.mod(base + _group_shift(seeds), 1.0)",
+        "return np.mod(base, 1.0)",
+        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model",),
+    ),
+    Mutant(
+        "lattice in natural order for n = 2^m (blocks are no sub-lattices)",
+        "qmc_sampler/designs.py",
+        "dyadic = _is_power_of_two(ns) | (ns == 0)",
+        "dyadic = ns == 0",
+        ("tests/eval/test_passk.py::test_the_sub_design_estimator_is_unbiased",),
+    ),
+    Mutant(
+        "estimator: contiguous blocks for a natural-order lattice",
+        "eval/passk.py",
+        "return members.reshape(k, n // k).T.copy()",
+        "return members.reshape(n // k, k)",
+        ("tests/eval/test_passk.py::test_the_sub_design_estimator_is_unbiased",),
+    ),
+    Mutant(
+        "estimator: strided sets for radical-inverse blocks",
+        "eval/passk.py",
+        "    return members.reshape(n // k, k)\n\n\ndef per_group_pass_at_k",
+        "    return members.reshape(k, n // k).T.copy()\n\n\ndef per_group_pass_at_k",
+        ("tests/eval/test_passk.py::test_the_sub_design_estimator_is_unbiased",),
+    ),
+    Mutant(
+        "counter hash ignores the member (members share one stream)",
+        "qmc_sampler/counter_rng.py",
+        "    h = _mix(h ^ m)\n",
+        "    h = _mix(h)\n",
+        ("tests/core/test_coverage.py::test_lattice_reaches_the_union_bound_and_beats_iid",),
+    ),
+    Mutant(
+        "antithetic pairs without the reflection",
+        "qmc_sampler/designs.py",
+        "return np.where(members % 2 == 1, 1.0 - u, u)",
+        "return np.where(members % 2 == 1, u, u)",
+        ("tests/eval/test_passk.py::test_the_sub_design_estimator_is_unbiased",),
+    ),
+    Mutant(
+        "stratified without its random permutation",
+        "qmc_sampler/designs.py",
+        "[_stratum_of_member(int(s), int(n))[m] for s, n, m in zip(seeds, ns, members, strict=True)]",
+        "[m for s, n, m in zip(seeds, ns, members, strict=True)]",
+        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model",),
+    ),
+    Mutant(
+        "sobol without its digital shift",
+        "qmc_sampler/sobol.py",
+        "    y ^= counter_hash(s, Purpose.SOBOL_SHIFT, d, 0) & np.uint64((1 << BITS) - 1)\n",
+        "",
+        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model",),
+    ),
+    Mutant(
+        "top-k drops the k-th token",
+        "qmc_sampler/processing.py",
+        'logits_sort = logits_sort.masked_fill(logits_sort < kth, float("-inf"))',
+        'logits_sort = logits_sort.masked_fill(logits_sort <= kth, float("-inf"))',
+        ("tests/core/test_processing.py",),
+    ),
+    Mutant(
+        "an extra member takes a sibling's stream (member % n)",
+        "vllm_plugin/grouping.py",
+        "        return Placement(request.group, spec, member, fresh)",
+        "        return Placement(request.group, spec, member % request.n, False)",
+        ("tests/vllm_plugin/test_registry.py::test_members_beyond_n_draw_their_own_fresh_streams",),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """The package as installed (``qmc_sampler`` with its subpackages and built kernel), copied."""
+    target = tmp_path_factory.mktemp("pristine")
+    for sub, source in PACKAGE_DIRS.items():
+        shutil.copytree(ROOT / source, target / "qmc_sampler" / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def run_killers(package: Path, killers: tuple[str, ...]) -> subprocess.CompletedProcess:
+    # -P: the repository (the working directory) must not come before the copy on sys.path.
+    # The torch backend, so mutants of the Python processing are not bypassed by the C++ kernel.
+    env = os.environ | {"PYTHONPATH": str(package), "QMC_SAMPLER_BACKEND": "torch"}
+    args = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not vllm", *killers]
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_copy_is_what_the_killers_import(pristine):
+    probe = subprocess.run(
+        [sys.executable, "-P", "-c", "import qmc_sampler.eval.passk as p; print(p.__file__)"],
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": str(pristine)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert probe.stdout.strip().startswith(str(pristine))
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_the_suite_kills_the_mutant(pristine, tmp_path, mutant):
+    package = tmp_path / "mutant"
+    shutil.copytree(pristine, package)
+    relative = Path(mutant.path)
+    sub = "" if relative.parts[0] == "qmc_sampler" else relative.parts[0]
+    source = package / "qmc_sampler" / sub / relative.name
+    text = source.read_text()
+    assert text.count(mutant.original) == 1, f"{mutant.path} no longer has the line this mutant flips: update it"
+    source.write_text(text.replace(mutant.original, mutant.mutated))
+    result = run_killers(package, mutant.killers)
+    assert result.returncode == 1 and " failed" in result.stdout, (
+        f"mutant {mutant.name!r} survived {mutant.killers} (exit {result.returncode}):\n{result.stdout[-3000:]}"
+    )
