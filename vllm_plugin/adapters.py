@@ -66,7 +66,7 @@ class V1Rows:
                 else:
                     # Condensing moves a row onto a slot whose request left the batch;
                     # that removal is not listed in `removed` (the move refills it).
-                    self.registry.park(rb[0])
+                    self._settle_and_park(*rb)
 
     def active(self) -> tuple[list[int], list[Member]]:
         """The rows with members, each member synced to its accepted token count."""
@@ -80,7 +80,11 @@ class V1Rows:
     def _park(self, index: int) -> None:
         row = self.rows.pop(index, None)
         if row is not None:
-            self.registry.park(row[0])
+            self._settle_and_park(*row)
+
+    def _settle_and_park(self, member: Member, output_ids: list[int]) -> None:
+        # The engine's list still says whether the member's last draw was accepted.
+        self.registry.park(member, len(output_ids), output_ids[-1] if output_ids else None)
 
 
 class MRV2Slots:

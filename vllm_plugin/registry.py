@@ -94,8 +94,15 @@ class Member:
     history: int = 0  # token_history of the committed tokens
 
     def consistent_with(self, output_ids: Sequence[int]) -> bool:
-        """True if ``output_ids`` is this member's history: committed, or committed + its pending token."""
+        """True if ``output_ids`` is this member's history: committed, or committed + its pending token.
+
+        An empty history matches only a member that never drew a token still in doubt: a
+        member parked with a pending first draw may have emitted it (a request that
+        finished after one token), and a new request must not take its code.
+        """
         done = len(output_ids)
+        if done == 0:
+            return self.state.step == 0 and self.pending is None
         if self.state.step == done:
             return self.history == token_history(output_ids)
         return (
@@ -170,8 +177,16 @@ class MemberRegistry:
             member.history = token_history(output_ids)
         return member
 
-    def park(self, member: Member) -> None:
-        """Keep a member whose row left the batch, in case its request comes back (preemption)."""
+    def park(self, member: Member, accepted: int | None = None, last_token: int | None = None) -> None:
+        """Keep a member whose row left the batch, in case its request comes back (preemption).
+
+        Args:
+            accepted, last_token: the engine's count of the request's accepted tokens and
+                the last one, where the adapter still knows them (V1): the pending draw is
+                then settled before parking, so a finished member never looks unstarted.
+        """
+        if accepted is not None:
+            self.sync(member, accepted, last_token)
         self.resolver.left(member.placement)
         key = id(member)
         self._parked[key] = member

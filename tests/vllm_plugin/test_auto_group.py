@@ -159,3 +159,13 @@ def test_a_caller_group_without_a_seed_is_still_one_group(llm, hf_model):
             for i in range(8)
         ]
         assert balanced([s[0] for s in generate(llm, [prompt] * 8, params)], q), group
+
+
+def test_one_request_at_a_time_of_one_token_each_still_forms_the_group(llm, hf_model, drop_in, monkeypatch):
+    # lm-eval with num_concurrent=1 and max_gen_toks=1: each repeat arrives after the
+    # previous one finished, right after its only draw (which is never committed).
+    monkeypatch.setenv("QMC_SAMPLER_GROUP_TTL", "600")
+    prompt = [1, 250, 7, 7]
+    params = SamplingParams(temperature=T, max_tokens=1, seed=1234)
+    first = [generate(llm, [prompt], params)[0][0] for _ in range(16)]
+    assert balanced(first, q_first(hf_model, prompt)), first

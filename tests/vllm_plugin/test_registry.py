@@ -146,3 +146,19 @@ def test_auto_group_members_are_counted_live_while_in_the_batch():
     reg.park(b)
     later = QMCRequest(AUTO, "lattice", "id", None, 0, params_key="k", arrival=104.0, ttl=5.0)
     assert admit(reg, later).placement.member == 2  # still open: never reuses an index
+
+
+def test_a_member_that_finished_after_one_draw_is_never_taken_by_a_new_request():
+    # A request that finishes right after its first token leaves before that draw is
+    # committed. A new request (whose output list may even reuse the freed list's id)
+    # must not take the member's code and repeat its token.
+    reg = MemberRegistry()
+    first = admit(reg, identity=1)
+    first.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.park(first)  # MRV2: the adapter cannot tell whether the draw was accepted
+    assert admit(reg, identity=1) is not first
+    second = admit(reg, identity=2)
+    second.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=8)
+    reg.park(second, accepted=1, last_token=8)  # V1: the engine's list settles it
+    assert second.state.step == 1 and second.pending is None
+    assert admit(reg, identity=2) is not second
