@@ -27,14 +27,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 where the CPU has it natively)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM, SamplingParams
+    from qmc_sampler.eval.runner import build_engine
+    from vllm import SamplingParams
 
+    from qmc_sampler.cpu_defaults import describe_cpu
     from qmc_sampler.models import resolve_model
 
-    llm = LLM(model=resolve_model(args.model), enforce_eager=True, seed=0)
+    llm, where = build_engine(resolve_model(args.model), args.dtype)
+    print(f"{describe_cpu()}; {where}", flush=True)
     prompts = [f"Question {i}: write a short story about the number {i}." for i in range(args.prompts)]
 
     def params(design: str | None, seed: int) -> SamplingParams:

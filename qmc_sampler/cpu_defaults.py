@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["DTYPES", "checkpoint_dtype", "cpu_engine_env", "cpu_flags", "engine_dtype", "native_bf16"]
+__all__ = ["DTYPES", "checkpoint_dtype", "cpu_engine_env", "cpu_flags", "describe_cpu", "engine_dtype", "native_bf16"]
 
 #: What ``--dtype`` accepts; ``auto`` is this module's choice, not vLLM's.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -111,3 +111,17 @@ def cpu_engine_env(cores: int | None = None) -> dict[str, str]:
     if cores <= _SMALL_MACHINE_CORES and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
         return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return {}
+
+
+def describe_cpu(cpuinfo: str | None = None) -> str:
+    """One line naming the CPU a timing ran on: model, usable cores, and whether bf16 is native."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    model = next(
+        (line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+        os.uname().machine,
+    )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    bf16 = "native bf16" if native_bf16(cpuinfo) else "no native bf16"
+    return f"CPU: {model}, {cores} cores, {bf16}"

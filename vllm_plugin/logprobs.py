@@ -171,7 +171,9 @@ def _wrap_v2(original: Any) -> Any:
 
             for c in captures:
                 t, k, p, m = (torch.tensor(v) for v in zip(*c.sampling, strict=True))
-                _store(processed, c.rows.to(processed.device), process_logits(c.logits, t, k, p, m), self.logprobs_mode)
+                # MRV2's sample() returns processed *logits* in both modes; compute_topk_scores
+                # takes the log-softmax afterwards for processed_logprobs.
+                _store(processed, c.rows.to(processed.device), process_logits(c.logits, t, k, p, m), "processed_logits")
         return sampled, processed
 
     return sample

@@ -265,3 +265,50 @@ def test_first_tokens_are_balanced_and_each_member_is_exact(cpu_mrv2_buffers, vl
         big = expected >= 5
         obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
         assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > alpha, member
+
+
+def test_mrv2_processed_logprobs_of_imposed_rows_equal_vllms_own(
+    cpu_mrv2_buffers, tiny_model_dir, hf_model, monkeypatch
+):
+    # vLLM's MRV2 Sampler itself, on two rows with the same logits: a plain request and
+    # one with a design. Temperature 1 and no min-p, so every step it takes runs in torch
+    # here; only the final Gumbel draw (a Triton kernel) is replaced by an argmax, which
+    # returns the one finite logit of the imposed row.
+    import vllm.v1.worker.gpu.sample.sampler as mrv2_sampler
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(mrv2_sampler, "gumbel_sample", lambda logits, *a, **k: logits.argmax(dim=-1))
+    config = EngineArgs(
+        model=tiny_model_dir, dtype="float32", max_model_len=256, seed=0, logprobs_mode="processed_logprobs"
+    ).create_engine_config()
+    vocab = hf_model.config.vocab_size
+    states = RequestState(4, 256, 256, 0, vocab, torch.device("cpu"))
+    processor = QMCLogitsProcessor(config, LogitsProcRequestState.from_request_state(states))
+    sampler = mrv2_sampler.Sampler(
+        config, 4, vocab, torch.device("cpu"), states, logprobs_mode="processed_logprobs",
+        custom_logits_processors=[processor],
+    )  # fmt: skip
+    common = dict(temperature=1.0, top_k=6, top_p=0.9, max_tokens=2, logprobs=5)
+    plain = SamplingParams(**common)
+    designed = SamplingParams(**common, extra_args={"qmc_method": "lattice", "qmc_seed": 1})
+    QMCLogitsProcessor.validate_params(designed)
+    slots = []
+    for rid, params in (("plain", plain), ("designed", designed)):
+        states.add_request(rid, len(PROMPT), PROMPT, 0, 2)
+        slots.append(states.req_id_to_index[rid])
+        sampler.add_request(slots[-1], params)
+    states.apply_staged_writes()
+    sampler.apply_staged_writes()
+    with torch.no_grad():
+        row = hf_model(torch.tensor([PROMPT])).logits[0, -1:].float()
+    idx = torch.tensor(slots)
+    pos = torch.full((2,), len(PROMPT) - 1)
+    _, processed = sampler.sample(
+        row.repeat(2, 1), idx, idx, np.array(slots, dtype=np.int32), pos, torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64), np.full(2, len(PROMPT)), return_logprobs=True,
+    )  # fmt: skip
+    assert torch.isfinite(processed[1]).sum() > 1, "the imposed row reports only its own token"
+    assert torch.equal(torch.isfinite(processed[0]), torch.isfinite(processed[1]))
+    finite = torch.isfinite(processed[0])
+    assert torch.allclose(processed[0][finite], processed[1][finite], atol=1e-5)
+    assert processor.take_capture() is None  # the wrap consumed this step's capture
