@@ -1,31 +1,36 @@
-"""The OpenAI-compatible app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``.
+"""The OpenAI-compatible app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health`` and ``/metrics``.
 
-Request handling, in order: validate the body (:mod:`qmc_sampler.server.protocol`;
-any failure is a 400 in OpenAI's shape naming the field), resolve the group
-(design, seed, offset, size), render and tokenize the prompt and check it fits the
-context, fan the n choices out into member requests (:mod:`.fanout`), and answer
-with the official ``openai`` response models plus the extensions ``sampler`` and
-``sampler_seed`` (enough to reproduce the group). A client that disconnects gets
-its member requests aborted in the engine, streaming or not.
+Request handling, in order: the API key and the body size
+(:mod:`.admission`, before anything is parsed); validate the body
+(:mod:`.protocol`; any failure is a 400 in OpenAI's shape naming the field) and
+the model name (404 ``model_not_found``); resolve the group (design, seed,
+offset, size); render and tokenize the prompt and check it fits the context and
+the vocabulary; reserve room for the members (``--max-members-in-flight``, 429
+beyond it); add every member request to the engine (:mod:`.fanout`; the engine's
+own validation failures are 400s before any response starts); answer with the
+official ``openai`` response models (:mod:`.responses`). A client that
+disconnects gets its member requests aborted in the engine, streaming or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from qmc_sampler.server.fanout import plan_members, run_members, stream_members
+from qmc_sampler.server.admission import CapacityError, GuardMiddleware, MemberLimiter, RejectedBy
+from qmc_sampler.server.fanout import abort_members, plan_members, run_members, start_members
+from qmc_sampler.server.observability import METRICS, ObservabilityMiddleware
 from qmc_sampler.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
+from qmc_sampler.server.responses import Group, Meta, final_response, sse
 from qmc_sampler.vllm_plugin.request_args import check_extra_args
 
 from qmc_sampler.processing import SAMPLING_EPS
@@ -35,29 +40,42 @@ __all__ = ["ServerSettings", "build_app"]
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What the app needs to know about its engine and its defaults."""
+    """What the app needs to know about its engine, its defaults and its limits."""
 
     model_name: str
     max_model_len: int
+    vocab_size: int
     default_sampler: str = "lattice"
     max_n: int = 128
-
-
-@dataclass(frozen=True)
-class _Group:
-    method: str | None
-    seed: int
-    offset: int
-    size: int
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_members_in_flight: int = 1024
+    queue_timeout: float = 0.0
 
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app serving ``engine`` (a ``vllm.v1.engine.async_llm.AsyncLLM``)."""
+    """The app serving ``engine`` (a ``vllm.v1.engine.async_llm.AsyncLLM``).
+
+    ``app.state.abort_all()`` aborts every member request still in the engine (shutdown).
+    """
     app = FastAPI(title="qmc-sampler", version="0.1.0")
+    limiter = MemberLimiter(settings.max_members_in_flight, settings.queue_timeout)
+    running: dict[int, list[Any]] = {}  # the output queues of every response in progress
+
+    async def abort_all() -> None:
+        queues = [q for qs in running.values() for q in qs]
+        running.clear()
+        await abort_members(engine, queues)
+
+    app.state.limiter, app.state.running, app.state.abort_all = limiter, running, abort_all
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        METRICS.rejected.labels(RejectedBy.INVALID).inc()
         first = exc.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, RequestError):  # raised by a model-level check: it names its field
+            return JSONResponse(error_body(str(cause), cause.param), 400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(f"request body is not valid JSON: {first.get('msg')}", None), 400)
@@ -68,29 +86,58 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _refused(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.param), exc.status)
+        if exc.status == 404:
+            reason = RejectedBy.MODEL
+        elif isinstance(exc, CapacityError):
+            reason = RejectedBy.CAPACITY
+        else:
+            reason = RejectedBy.INVALID
+        METRICS.rejected.labels(reason).inc()
+        headers = {"Retry-After": str(int(exc.retry_after))} if isinstance(exc, CapacityError) else None
+        return JSONResponse(error_body(str(exc), exc.param, code=exc.code), exc.status, headers=headers)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "unfinished_requests": engine.get_num_unfinished_requests()}
+        return {
+            "status": "ok",
+            "unfinished_requests": engine.get_num_unfinished_requests(),
+            "members_in_flight": limiter.in_flight,
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    def card() -> dict[str, Any]:
+        from openai.types import Model
+
+        return Model(
+            id=settings.model_name, created=int(time.time()), object="model", owned_by="qmc-sampler"
+        ).model_dump()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        from openai.types import Model
+        return {"object": "list", "data": [card()]}
 
-        card = Model(id=settings.model_name, created=int(time.time()), object="model", owned_by="qmc-sampler")
-        return {"object": "list", "data": [card.model_dump()]}
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict[str, Any]:
+        _check_model(model, settings)
+        return card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(body.model, settings)
         if body.echo:
             raise RequestError("echo=true is not supported", "echo")
-        tokenizer = engine.get_tokenizer()
-        prompts = _completion_prompts(body.prompt, tokenizer)
-        return await _serve(engine, settings, request, body, prompts, chat=False)
+        prompts = _completion_prompts(body.prompt, engine.get_tokenizer(), settings.vocab_size)
+        return await _serve(engine, settings, app.state, request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        _check_model(body.model, settings)
         tokenizer = engine.get_tokenizer()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -99,12 +146,30 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise RequestError(f"messages cannot be rendered with the model's chat template: {e}", "messages") from e
         # The template already placed any special tokens (BOS) it wants.
         ids = tokenizer.encode(text, add_special_tokens=False)
-        return await _serve(engine, settings, request, body, [list(ids)], chat=True)
+        return await _serve(engine, settings, app.state, request, body, [list(ids)], chat=True)
 
+    # Outermost first: time and log everything, then the key and the body size.
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        on_reject=lambda reason: METRICS.rejected.labels(reason).inc(),
+    )
+    app.add_middleware(ObservabilityMiddleware)
     return app
 
 
-def _completion_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
+def _check_model(name: str, settings: ServerSettings) -> None:
+    if name != settings.model_name:
+        raise RequestError(
+            f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+
+
+def _completion_prompts(prompt: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -116,11 +181,14 @@ def _completion_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
         ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise RequestError("prompt must not be empty", "prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of vocabulary (valid ids: 0..{vocab_size - 1})", "prompt")
         out.append(ids)
     return out
 
 
-def _resolve_group(body: Any, settings: ServerSettings, temperature: float) -> _Group:
+def _resolve_group(body: Any, settings: ServerSettings, temperature: float) -> Group:
     if not 1 <= body.n <= settings.max_n:
         raise RequestError(f"n={body.n} must be between 1 and {settings.max_n} (this server's maximum)", "n")
     xargs = body.vllm_xargs or {}
@@ -158,14 +226,32 @@ def _resolve_group(body: Any, settings: ServerSettings, temperature: float) -> _
             f"sampler_group_size={size} must be >= sampler_offset + n = {offset + body.n}", "sampler_group_size"
         )
     seed = next((s for s in (body.sampler_seed, xargs.get("qmc_seed"), body.seed) if s is not None), None)
-    return _Group(method, seed if seed is not None else secrets.randbits(63), offset, size)
+    return Group(method, seed if seed is not None else secrets.randbits(63), offset, size)
+
+
+def _structured_outputs(body: Any) -> Any:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if body.structured_outputs is not None:
+        s = body.structured_outputs
+        return StructuredOutputsParams(
+            json=s.json_, regex=s.regex, choice=s.choice, grammar=s.grammar, json_object=s.json_object
+        )
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
 def _sampling_kwargs(body: Any, prompts: list[list[int]], settings: ServerSettings, chat: bool) -> dict[str, Any]:
     temperature = 1.0 if body.temperature is None else body.temperature
     longest = max(len(p) for p in prompts)
     room = settings.max_model_len - longest
-    max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    max_tokens = body.max_tokens
+    if chat and body.max_completion_tokens is not None:  # 0 must be refused, not read as "unset"
+        max_tokens = body.max_completion_tokens
     field = "messages" if chat else "prompt"
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
@@ -178,13 +264,25 @@ def _sampling_kwargs(body: Any, prompts: list[list[int]], settings: ServerSettin
             field,
         )
     kwargs: dict[str, Any] = {"temperature": temperature, "max_tokens": max_tokens or room}
-    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty"):
+    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     if body.top_k is not None:
         kwargs["top_k"] = max(body.top_k, 0)
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.include_stop_str_in_output:
+        kwargs["include_stop_str_in_output"] = True
+    if body.logit_bias:
+        bad = next((k for k in body.logit_bias if int(k) >= settings.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"logit_bias key {bad} is out of vocabulary (valid ids: 0..{settings.vocab_size - 1})", "logit_bias"
+            )
+        kwargs["logit_bias"] = {int(k): float(v) for k, v in body.logit_bias.items()}
+    structured = _structured_outputs(body)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     if chat:
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
@@ -193,13 +291,38 @@ def _sampling_kwargs(body: Any, prompts: list[list[int]], settings: ServerSettin
     return kwargs
 
 
+def _engine_error_param(body: Any, chat: bool) -> str | None:
+    if getattr(body, "structured_outputs", None) is not None:
+        return "structured_outputs"
+    if getattr(body, "response_format", None) is not None:
+        return "response_format"
+    return "messages" if chat else "prompt"
+
+
 async def _serve(
-    engine: Any, settings: ServerSettings, request: Request, body: Any, prompts: list[list[int]], chat: bool
+    engine: Any,
+    settings: ServerSettings,
+    state: Any,
+    request: Request,
+    body: Any,
+    prompts: list[list[int]],
+    chat: bool,
 ) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     sampling = _sampling_kwargs(body, prompts, settings, chat)
     group = _resolve_group(body, settings, sampling["temperature"])
+    meta = Meta(
+        ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+        int(time.time()),
+        settings.model_name,
+        group,
+        sum(len(p) for p in prompts),
+        (body.top_logprobs or 0) if chat else 0,
+    )
+    record = request.state.record if hasattr(request.state, "record") else None
+    if record is not None:
+        record.id, record.design, record.n, record.seed = meta.id, group.method or "greedy", body.n, group.seed
     plan = plan_members(
         [{"prompt_token_ids": p} for p in prompts],
         body.n,
@@ -211,32 +334,42 @@ async def _serve(
         xargs=body.vllm_xargs,
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
     )
-    meta = _Meta(
-        ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-        int(time.time()),
-        settings.model_name,
-        group,
-        sum(len(p) for p in prompts),
-        (body.top_logprobs or 0) if chat else 0,
-    )
+    members = len(plan.members)
+    await state.limiter.acquire(members)
+    METRICS.in_flight.inc(members)
+    released = False
+
+    async def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.running.pop(id(plan), None)
+            METRICS.in_flight.dec(members)
+            await state.limiter.release(members)
+
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        queues = await start_members(engine, plan)
+    except (ValueError, VLLMClientError) as e:  # the engine's own validation (token ids, grammars, …)
+        await release()
+        raise RequestError(str(e), _engine_error_param(body, chat)) from None
+    except BaseException:
+        await release()
+        raise
+    state.running[id(plan)] = queues
+    design = group.method or "greedy"
+    METRICS.members.labels(design).inc(members)
+    METRICS.groups.labels(design).inc(len(prompts))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(engine, plan, meta, chat, include_usage), media_type="text/event-stream")
-    outputs = await _until_done_or_disconnected(request, run_members(engine, plan))
-    return JSONResponse(_final_response(outputs, meta, chat))
-
-
-@dataclass(frozen=True)
-class _Meta:
-    id: str
-    created: int
-    model: str
-    group: _Group
-    prompt_tokens: int
-    top_logprobs: int = 0
-
-    def extensions(self) -> dict[str, Any]:
-        return {"sampler": self.group.method, "sampler_seed": self.group.seed}
+        events = sse(engine, plan, queues, meta, chat, include_usage, on_close=release)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:  # run_members aborts its own unfinished members if it is cancelled
+        outputs = await _until_done_or_disconnected(request, run_members(engine, plan, queues))
+    finally:
+        await release()
+    return JSONResponse(final_response(outputs, meta, chat))
 
 
 async def _until_done_or_disconnected(request: Request, work: Any) -> Any:
@@ -250,145 +383,3 @@ async def _until_done_or_disconnected(request: Request, work: Any) -> Any:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise RequestError("client disconnected", None, status=499)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _final_response(outputs: dict[int, Any], meta: _Meta, chat: bool) -> dict[str, Any]:
-    from openai.types import Completion, CompletionChoice
-    from openai.types.chat import ChatCompletion
-    from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
-    from openai.types.chat.chat_completion_message import ChatCompletionMessage
-
-    choices = []
-    completion_tokens = 0
-    for index in sorted(outputs):
-        out = outputs[index].outputs[0]
-        completion_tokens += len(out.token_ids)
-        finish = out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
-        if chat:
-            logprobs = (
-                ChoiceLogprobs(content=_chat_logprobs(out, meta.top_logprobs)) if out.logprobs is not None else None
-            )
-            choices.append(
-                Choice(
-                    index=index,
-                    finish_reason=finish,
-                    logprobs=logprobs,
-                    message=ChatCompletionMessage(role="assistant", content=out.text),
-                )
-            )
-        else:
-            choices.append(
-                CompletionChoice(index=index, text=out.text, finish_reason=finish, logprobs=_completion_logprobs(out))
-            )
-    usage = _usage(meta.prompt_tokens, completion_tokens)
-    model, kind = (ChatCompletion, "chat.completion") if chat else (Completion, "text_completion")
-    response = model(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        object=kind,
-        choices=choices,
-        usage=usage,
-        **meta.extensions(),
-    )
-    return response.model_dump(mode="json", exclude_unset=False)
-
-
-def _completion_logprobs(out: Any) -> Any:
-    from openai.types.completion_choice import Logprobs
-
-    if out.logprobs is None:
-        return None
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
-    for token_id, position in zip(out.token_ids, out.logprobs, strict=False):
-        chosen = position[token_id]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
-        offsets.append(offset)
-        offset += len(text)
-    return Logprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
-
-
-def _chat_logprobs(out: Any, top_k: int) -> list[Any]:
-    from openai.types.chat import ChatCompletionTokenLogprob
-    from openai.types.chat.chat_completion_token_logprob import TopLogprob
-
-    content = []
-    for token_id, position in zip(out.token_ids, out.logprobs, strict=False):
-        chosen = position[token_id]
-        text = chosen.decoded_token or ""
-        tops = [
-            TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob, bytes=list((lp.decoded_token or "").encode()))
-            for lp in sorted(position.values(), key=lambda lp: lp.rank or 0)
-            if (lp.rank or 0) <= top_k
-        ]
-        content.append(
-            ChatCompletionTokenLogprob(token=text, logprob=chosen.logprob, bytes=list(text.encode()), top_logprobs=tops)
-        )
-    return content
-
-
-async def _sse(engine: Any, plan: Any, meta: _Meta, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    from openai.types import Completion, CompletionChoice
-    from openai.types.chat import ChatCompletionChunk
-    from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-    from openai.types.chat.chat_completion_chunk import ChoiceDelta
-
-    started: set[int] = set()
-    completion_tokens = 0
-    async with contextlib.aclosing(stream_members(engine, plan)) as deltas:
-        async for index, output in deltas:
-            out = output.outputs[0]
-            completion_tokens += len(out.token_ids)
-            finish = out.finish_reason if out.finish_reason in ("stop", "length") else None
-            if chat:
-                delta = ChoiceDelta(content=out.text, role=None if index in started else "assistant")
-                started.add(index)
-                # model_construct: a chunk's finish_reason is null until the last one, which the
-                # strict response models do not allow (the official client parses chunks leniently too).
-                chunk = ChatCompletionChunk.model_construct(
-                    id=meta.id,
-                    created=meta.created,
-                    model=meta.model,
-                    object="chat.completion.chunk",
-                    choices=[ChunkChoice.model_construct(index=index, delta=delta, finish_reason=finish)],
-                    **meta.extensions(),
-                )
-            else:
-                chunk = Completion.model_construct(
-                    id=meta.id,
-                    created=meta.created,
-                    model=meta.model,
-                    object="text_completion",
-                    choices=[
-                        CompletionChoice.model_construct(
-                            index=index, text=out.text, finish_reason=finish, logprobs=_completion_logprobs(out)
-                        )
-                    ],
-                    **meta.extensions(),
-                )
-            yield f"data: {json.dumps(chunk.model_dump(mode='json'))}\n\n"
-    if include_usage:
-        usage = _usage(meta.prompt_tokens, completion_tokens)
-        tail = {
-            "id": meta.id,
-            "created": meta.created,
-            "model": meta.model,
-            "choices": [],
-            "usage": usage,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            **meta.extensions(),
-        }
-        yield f"data: {json.dumps(tail)}\n\n"
-    yield "data: [DONE]\n\n"

@@ -2,8 +2,16 @@
 
 Each choice is its own engine request with ``n = 1`` and explicit plugin
 arguments (``qmc_group``, ``qmc_index = offset + j``, ``qmc_n = group size``,
-``qmc_seed``), so the group is correct whichever batches its members land in,
-and a group can be extended across calls (members offset..offset+n−1).
+``qmc_seed``), so the group is correct whichever batches (or data-parallel
+engines) its members land in, and a group can be extended across calls
+(members offset..offset+n−1).
+
+Members are first all *added* to the engine (:func:`start_members`, where the
+engine validates them: token ids, structured-output grammars, …), so a bad
+request is refused as a whole before any response — streaming or not — begins;
+then their outputs are consumed (:func:`run_members`, :func:`stream_members`).
+Whoever stops early (an error, a client that went away, a shutdown) aborts
+every member still in the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Member", "MemberPlan", "plan_members", "run_members", "stream_members"]
+__all__ = ["Member", "MemberPlan", "abort_members", "plan_members", "run_members", "start_members", "stream_members"]
 
 
 @dataclass(frozen=True)
@@ -74,45 +82,80 @@ def plan_members(
     return MemberPlan(members, prompts)
 
 
-async def run_members(engine: Any, plan: MemberPlan) -> dict[int, Any]:
+async def start_members(engine: Any, plan: MemberPlan) -> list[Any]:
+    """Add every member request to the engine; return their output queues (member order).
+
+    Raises:
+        whatever the engine raises for an invalid member (``ValueError`` and its
+        subclasses); the members already added are aborted first.
+    """
+    queues: list[Any] = []
+    try:
+        for member in plan.members:
+            prompt = plan.prompts[member.prompt_index]
+            queues.append(await engine.add_request(member.request_id, prompt, member.params))
+    except BaseException:
+        await abort_members(engine, queues)
+        raise
+    return queues
+
+
+async def _outputs(queue: Any) -> AsyncIterator[Any]:
+    from vllm.outputs import STREAM_FINISHED
+
+    finished = False
+    while not finished:
+        out = queue.get_nowait() or await queue.get()  # as AsyncLLM.generate drains it
+        finished = out.finished
+        if out is not STREAM_FINISHED:
+            yield out
+
+
+async def abort_members(engine: Any, queues: list[Any]) -> None:
+    """Abort the members behind ``queues`` that are still in the engine."""
+    if queues:
+        await engine.abort([q.request_id for q in queues], internal=True)
+
+
+async def run_members(engine: Any, plan: MemberPlan, queues: list[Any]) -> dict[int, Any]:
     """Run every member to completion; return ``{choice_index: final RequestOutput}``.
 
     Cancelling the caller aborts every member still running in the engine.
     """
 
-    async def one(member: Member) -> tuple[int, Any]:
+    async def one(member: Member, queue: Any) -> tuple[int, Any]:
         final = None
-        async for output in engine.generate(plan.prompts[member.prompt_index], member.params, member.request_id):
+        async for output in _outputs(queue):
             final = output
         return member.choice_index, final
 
-    tasks = [asyncio.create_task(one(m)) for m in plan.members]
+    tasks = [asyncio.create_task(one(m, q)) for m, q in zip(plan.members, queues, strict=True)]
     try:
         return dict(await asyncio.gather(*tasks))
     finally:
-        await _abort_unfinished(engine, plan, tasks)
+        await _cancel_unfinished(engine, queues, tasks)
 
 
-async def stream_members(engine: Any, plan: MemberPlan) -> AsyncIterator[tuple[int, Any]]:
+async def stream_members(engine: Any, plan: MemberPlan, queues: list[Any]) -> AsyncIterator[tuple[int, Any]]:
     """Yield ``(choice_index, delta RequestOutput)`` as members produce tokens, interleaved.
 
     Closing the iterator early (a client that went away) aborts every member still
     running in the engine.
     """
-    queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
 
-    async def pump(member: Member) -> None:
+    async def pump(member: Member, queue: Any) -> None:
         try:
-            async for output in engine.generate(plan.prompts[member.prompt_index], member.params, member.request_id):
-                await queue.put((member.choice_index, output))
+            async for output in _outputs(queue):
+                await merged.put((member.choice_index, output))
         finally:
-            await queue.put(None)
+            await merged.put(None)
 
-    tasks = [asyncio.create_task(pump(m)) for m in plan.members]
+    tasks = [asyncio.create_task(pump(m, q)) for m, q in zip(plan.members, queues, strict=True)]
     finished = 0
     try:
         while finished < len(tasks):
-            item = await queue.get()
+            item = await merged.get()
             if item is None:
                 finished += 1
                 for t in tasks:  # surface a member's failure instead of waiting forever
@@ -121,12 +164,11 @@ async def stream_members(engine: Any, plan: MemberPlan) -> AsyncIterator[tuple[i
                 continue
             yield item
     finally:
-        await _abort_unfinished(engine, plan, tasks)
+        await _cancel_unfinished(engine, queues, tasks)
 
 
-async def _abort_unfinished(engine: Any, plan: MemberPlan, tasks: list[asyncio.Task]) -> None:
-    pending = [m.request_id for m, t in zip(plan.members, tasks, strict=True) if not t.done()]
+async def _cancel_unfinished(engine: Any, queues: list[Any], tasks: list[asyncio.Task]) -> None:
+    pending = [q for q, t in zip(queues, tasks, strict=True) if not t.done()]
     for t in tasks:
         t.cancel()
-    if pending:
-        await engine.abort(pending)
+    await abort_members(engine, pending)

@@ -11,14 +11,25 @@ Extensions to OpenAI's request body:
 * ``sampler_seed`` — group seed (default: ``seed``, else random; returned in the response);
 * ``sampler_offset`` / ``sampler_group_size`` — this request's n choices are members
   offset..offset+n−1 of a group of that size (extends a group across calls);
-* ``top_k``, ``min_p``, ``vllm_xargs`` — as in vLLM's server.
+* ``top_k``, ``min_p``, ``repetition_penalty``, ``include_stop_str_in_output``,
+  ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` /
+  ``json_object``), ``vllm_xargs`` — as in vLLM's server.
+
+Every OpenAI field of both endpoints is either served or refused with a 400
+naming it — never silently ignored where ignoring it would change the result:
+``response_format`` (``text``, ``json_object``, ``json_schema``), ``logit_bias``
+(token-id keys within the vocabulary, values in [-100, 100]), ``stop`` (a string
+or at most 4), ``best_of`` (only = n: vLLM's V1 engine has no best-of), ``suffix``,
+``echo``, ``tools`` / ``functions`` (refused), ``stream_options`` (only with
+``stream``), ``top_logprobs`` (only with ``logprobs``). Unknown fields are ignored,
+as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from qmc_sampler.designs import METHODS
 
@@ -28,17 +39,20 @@ XArgValue = str | int | float | list[str | int | float]
 
 
 class RequestError(ValueError):
-    """A request the server refuses (HTTP 400), naming the offending field."""
+    """A request the server refuses (HTTP 400 unless ``status`` says otherwise), naming the offending field."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
 
 
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:
+def error_body(
+    message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):
@@ -46,10 +60,36 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = "schema"
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints (OpenAI names and defaults, plus the extensions)."""
 
-    model_config = ConfigDict(extra="ignore")  # like OpenAI and vLLM: unknown fields are ignored
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)  # like OpenAI and vLLM: unknown fields ignored
 
     model: str
     n: StrictInt = 1
@@ -63,6 +103,13 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    include_stop_str_in_output: StrictBool = False
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
     user: str | None = None
     sampler: str | None = None
     sampler_seed: StrictInt | None = None
@@ -122,6 +169,51 @@ class _Sampling(BaseModel):
             raise ValueError(f"penalty {value} must be in [-2, 2]")
         return value
 
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 2.0:
+            raise ValueError(f"repetition_penalty={value} must be in (0, 2]")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer as a string)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key!r}]={bias} must be in [-100, 100]")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool and function calling is not supported by this server")
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: StructuredOutputs | None) -> StructuredOutputs | None:
+        if value is not None:
+            given = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(value, k)]
+            if len(given) != 1:
+                raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return value
+
+    @model_validator(mode="after")
+    def _combinations(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+        if self.response_format is not None and self.structured_outputs is not None:
+            if self.response_format.type != "text":
+                raise RequestError("give response_format or structured_outputs, not both", "response_format")
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is None:
+                raise RequestError("response_format of type json_schema needs json_schema", "response_format")
+        return self
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions`` (OpenAI's legacy completions)."""
@@ -130,6 +222,19 @@ class CompletionRequest(_Sampling):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _completion_combinations(self) -> CompletionRequest:
+        if self.suffix:
+            raise RequestError("suffix (insertion) is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(
+                f"best_of={self.best_of} is not supported (vLLM V1 has no best-of); omit it or use best_of = n",
+                "best_of",
+            )
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -141,7 +246,7 @@ class CompletionRequest(_Sampling):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
+    type: Literal["text"]  # images and audio: a 400 naming the part's type
     text: str
 
 
@@ -166,6 +271,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _chat_combinations(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod

@@ -8,6 +8,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 openai = pytest.importorskip("openai")
@@ -80,29 +81,29 @@ def test_n8_completion_is_a_balanced_lattice_group_with_usage(client):
         assert first.count(token) in (np.floor(8 * q), np.ceil(8 * q))
 
 
-def test_chat_with_n8(client):
+def test_chat_with_n8_and_the_models_own_logprobs(client, hf_model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hello"}]
     response = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "hello"}],
-        n=8,
-        max_tokens=3,
-        seed=11,
-        logprobs=True,
-        top_logprobs=2,
+        model="tiny", messages=messages, n=8, max_tokens=3, seed=11, logprobs=True, top_logprobs=2
     )
     assert sorted(c.index for c in response.choices) == list(range(8))
     assert all(c.message.role == "assistant" for c in response.choices)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    with torch.no_grad():
+        model = torch.log_softmax(hf_model(torch.tensor([tokenizer.encode(text)])).logits[0, -1].double(), -1)
+    top2 = torch.topk(model, 2).values.tolist()
+    by_text: dict[str, list[float]] = {}
+    for token_id, value in enumerate(model.tolist()):
+        by_text.setdefault(tokenizer.decode([token_id]), []).append(value)
     for choice in response.choices:
-        for position in choice.logprobs.content:
-            tops = position.top_logprobs
-            assert len(tops) == 2, tops  # exactly top_logprobs=2 alternatives at every position
-            assert tops[0].logprob >= tops[1].logprob
-            assert position.logprob <= tops[0].logprob + 1e-6
-            if position.token in [t.token for t in tops]:
-                assert position.logprob == pytest.approx(next(t.logprob for t in tops if t.token == position.token))
-    again = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hello"}], n=8, max_tokens=3, seed=11
-    )
+        first = choice.logprobs.content[0]
+        assert [t.logprob for t in first.top_logprobs] == pytest.approx(top2, abs=1e-3)  # exactly 2, the model's
+        assert any(abs(first.logprob - v) < 1e-3 for v in by_text[first.token])  # the sampled token's own
+        assert all(len(p.top_logprobs) == 2 for p in choice.logprobs.content)
+    again = client.chat.completions.create(model="tiny", messages=messages, n=8, max_tokens=3, seed=11)
     assert [c.message.content for c in again.choices] == [c.message.content for c in response.choices]
 
 
@@ -207,40 +208,80 @@ BAD = [
     ({"vllm_xargs": {"qmc_method": "lattic"}}, "vllm_xargs"),
     ({"vllm_xargs": {"qmc_index": 1}}, "vllm_xargs"),
     ({"vllm_xargs": {"nested": {"a": 1}}}, "vllm_xargs"),
+    ({"prompt": [10_000_000]}, "prompt"),
+    ({"prompt": [[1, 2], [3, -1]]}, "prompt"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"n": 2, "best_of": 3}, "best_of"),
+    ({"suffix": "!"}, "suffix"),
+    ({"stop": 123}, "stop"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"echo": True}, "echo"),
+]
+BAD_CHAT = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
 ]
 
 
-@pytest.mark.parametrize(("fields", "param"), BAD)
-def test_bad_input_is_a_400_in_openai_shape_naming_the_field(base_url, fields, param):
-    response = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": PROMPT} | fields)
-    assert response.status_code == 400, response.text
+def assert_openai_error(response, status, param):
+    assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
 
 
-def test_vllm_xargs_choose_the_design_too(client):
-    a = client.completions.create(
-        model="tiny",
-        prompt=PROMPT,
-        n=4,
-        max_tokens=3,
-        extra_body={"vllm_xargs": {"qmc_method": "sobol", "qmc_seed": 5}},
-    )
-    b = client.completions.create(
-        model="tiny", prompt=PROMPT, n=4, max_tokens=3, extra_body={"sampler": "sobol", "sampler_seed": 5}
-    )
-    assert a.model_extra["sampler"] == "sobol" and texts(a) == texts(b)
+@pytest.mark.parametrize(("fields", "param"), BAD)
+def test_bad_input_is_a_400_in_openai_shape_naming_the_field(base_url, fields, param):
+    response = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": PROMPT} | fields)
+    assert_openai_error(response, 400, param)
 
 
-def test_malformed_json_and_missing_fields_are_400(base_url):
-    bad = httpx.post(f"{base_url}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
-    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
-    missing = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny"})
-    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+@pytest.mark.parametrize(("fields", "param"), BAD_CHAT)
+def test_bad_chat_input_is_a_400_naming_the_field(base_url, fields, param):
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny"} | fields)
+    assert_openai_error(response, 400, param)
 
 
-def test_the_openai_client_sees_bad_requests_as_bad_request_errors(client):
+def test_an_unknown_model_is_a_404_model_not_found(base_url, client):
+    for path, body in (
+        ("completions", {"prompt": PROMPT}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        response = httpx.post(f"{base_url}/v1/{path}", json={"model": "no-such-model"} | body)
+        assert_openai_error(response, 404, "model")
+        assert response.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    assert httpx.get(f"{base_url}/v1/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(f"{base_url}/v1/models/other").status_code == 404
+
+
+def test_an_out_of_vocabulary_token_id_is_a_400_not_a_500(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 4000}], n=2)
-    assert "maximum context length" in str(info.value)
+        client.completions.create(model="tiny", prompt=[10_000_000])
+    assert "out of vocabulary" in str(info.value) and info.value.body["param"] == "prompt"
+
+
+def test_best_of_equal_to_n_and_logit_bias_are_served(client, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    same = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=3, extra_body={"best_of": 2})
+    assert len(same.choices) == 2
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (fox,) = tokenizer.encode(" fox")  # a whole-word token: its text decodes on its own
+    biased = client.completions.create(
+        model="tiny", prompt=PROMPT, n=4, max_tokens=1, logprobs=1, logit_bias={str(fox): 100}
+    )
+    token = tokenizer.decode([fox])
+    assert [c.logprobs.tokens[0] for c in biased.choices] == [token] * 4

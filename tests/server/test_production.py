@@ -1,0 +1,257 @@
+"""``qmc-serve`` on a network: API key, limits, metrics, request log, structured outputs, SIGTERM.
+
+One real server process (tiny model) with a key from the environment, a small
+body limit and 16 members in flight; the official ``openai`` client and raw
+HTTP. The last test stops the server with SIGTERM in the middle of a stream.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+openai = pytest.importorskip("openai")
+parser = pytest.importorskip("prometheus_client.parser")
+
+pytestmark = pytest.mark.vllm
+KEY = "sk-test-4d1f9c2a"
+LIMIT = 16
+PROMPT = "the quick brown"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, http_helpers, tmp_path_factory):
+    free_port, wait_for_http = http_helpers
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("qmc-serve-prod") / "server.log"
+    log = open(log_path, "w")
+    command = [
+        sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name", "tiny",
+        "--port", str(port), "--kv-cache-gb", "1", "--max-body-bytes", "4096",
+        "--max-members-in-flight", str(LIMIT), "--shutdown-timeout", "3",
+        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+    ]  # fmt: skip
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}  # the key stays out of `ps`
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", process)
+        yield {"url": f"http://127.0.0.1:{port}", "process": process, "log": log_path}
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=60)
+        log.close()
+
+
+def client(server, key=KEY):
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=key, max_retries=0)
+
+
+def auth(key=KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES)
+def test_every_v1_route_needs_the_key(server, method, path, body):
+    url = server["url"] + path
+    for headers in ({}, auth("wrong"), {"Authorization": KEY}):
+        response = httpx.request(method, url, json=body, headers=headers)
+        assert response.status_code == 401, (path, headers, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert KEY not in response.text
+    assert httpx.request(method, url, json=body, headers=auth()).status_code == 200
+
+
+def test_health_and_metrics_are_open_and_the_client_sees_authentication_errors(server):
+    assert httpx.get(server["url"] + "/health").status_code == 200
+    assert httpx.get(server["url"] + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").models.list()
+    assert [m.id for m in client(server).models.list().data] == ["tiny"]
+
+
+def test_a_body_over_the_limit_is_refused_naming_it(server):
+    response = httpx.post(
+        server["url"] + "/v1/completions", json={"model": "tiny", "prompt": "x" * 5000}, headers=auth()
+    )
+    assert response.status_code == 400 and "--max-body-bytes" in response.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit applies as the body arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    streamed = httpx.post(server["url"] + "/v1/completions", content=chunks(), headers=auth())
+    assert streamed.status_code == 400 and "--max-body-bytes" in streamed.json()["error"]["message"]
+
+
+def test_more_members_than_the_limit_is_a_400_and_a_burst_beyond_it_gets_429s(server):
+    with pytest.raises(openai.BadRequestError, match="--max-members-in-flight=16"):
+        client(server).completions.create(model="tiny", prompt=PROMPT, n=LIMIT + 1, max_tokens=1)
+
+    def one(_):
+        return httpx.post(
+            server["url"] + "/v1/completions",
+            json={"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 64, "min_tokens": 64},
+            headers=auth(),
+            timeout=120,
+        )
+
+    with ThreadPoolExecutor(4 * LIMIT // 8) as pool:  # 4x the limit in members, at once
+        responses = list(pool.map(one, range(4 * LIMIT // 8)))
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 1 and set(statuses) <= {200, 429}, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "--max-members-in-flight" in refused.json()["error"]["message"]
+    assert httpx.get(server["url"] + "/health").json()["members_in_flight"] == 0
+
+
+def metric(server, name, **labels):
+    text = httpx.get(server["url"] + "/metrics").text
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_metrics_parse_and_move_with_traffic(server):
+    requests = metric(server, "qmc_serve_requests_total", endpoint="/v1/completions", status="200")
+    members = metric(server, "qmc_serve_members_total", design="lattice")
+    rejected = metric(server, "qmc_serve_rejected_total", reason="auth")
+    client(server).completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=2)
+    httpx.get(server["url"] + "/v1/models")  # no key
+    assert metric(server, "qmc_serve_requests_total", endpoint="/v1/completions", status="200") == requests + 1
+    assert metric(server, "qmc_serve_members_total", design="lattice") == members + 4
+    assert metric(server, "qmc_serve_rejected_total", reason="auth") == rejected + 1
+    assert metric(server, "qmc_serve_request_latency_seconds_count", endpoint="/v1/completions") >= 1
+    names = {f.name for f in parser.text_string_to_metric_families(httpx.get(server["url"] + "/metrics").text)}
+    assert "qmc_serve_members_in_flight" in names
+
+
+def test_one_structured_log_line_per_request_without_prompt_or_key(server):
+    marker = "zebra quartz sphinx"
+    client(server).completions.create(model="tiny", prompt=marker, n=2, max_tokens=2, extra_body={"sampler_seed": 5})
+    time.sleep(0.5)
+    text = server["log"].read_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith('{"event": "request"')]
+    mine = [line for line in lines if line["seed"] == 5 and line["n"] == 2]
+    assert mine and set(mine[-1]) == {"event", "id", "endpoint", "design", "n", "seed", "status", "latency_s"}
+    assert mine[-1]["design"] == "lattice" and mine[-1]["status"] == 200
+    assert marker not in text and KEY not in text
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"w": {"enum": ["the", "quick", "brown", "fox", "jumps", "lazy", "dog", "box", "vow", "judge"]}},
+    "required": ["w"],
+    "additionalProperties": False,
+}
+
+
+def test_lattice_members_under_a_json_schema_are_valid_and_balanced(server):
+    response = client(server).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "pick a word"}],
+        n=8,
+        max_tokens=24,
+        temperature=1.5,
+        logprobs=True,
+        top_logprobs=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "word", "schema": SCHEMA}},
+        extra_body={"sampler": "lattice", "sampler_seed": 3},
+    )
+    values = [json.loads(c.message.content)["w"] for c in response.choices]  # every member valid JSON
+    assert all(v in SCHEMA["properties"]["w"]["enum"] for v in values)
+    # The grammar mask applies before the plugin's draw: at the first position with a
+    # choice, the members split ⌊8q⌋/⌈8q⌉ by the *constrained* distribution.
+    contents = [c.logprobs.content for c in response.choices]
+    t = next(t for t in range(len(contents[0])) if sum(x.logprob > -9000 for x in contents[0][t].top_logprobs) > 1)
+    assert len({tuple(x.token for x in c[:t]) for c in contents}) == 1  # forced tokens shared by all
+    q: dict[str, float] = {}
+    for x in contents[0][t].top_logprobs:
+        q[x.token] = q.get(x.token, 0.0) + float(np.exp(x.logprob))
+    chosen = [c[t].token for c in contents]
+    for token, p in q.items():
+        assert chosen.count(token) in (np.floor(8 * p), np.ceil(8 * p)), (token, chosen.count(token), 8 * p)
+    assert len(set(chosen)) > 1
+
+
+def test_json_object_and_vllms_structured_outputs_are_accepted(server):
+    out = client(server).completions.create(
+        model="tiny", prompt=PROMPT, n=4, max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
+    assert {c.text for c in out.choices} <= {"yes", "no"}
+    obj = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, response_format={"type": "json_object"}
+    )
+    assert obj.choices[0].message.content.startswith("{")
+
+
+def test_clients_that_disconnect_under_load_free_their_members_at_once(server):
+    body = {"model": "tiny", "prompt": PROMPT, "n": 4, "max_tokens": 400, "min_tokens": 400, "stream": True}
+
+    def stream_then_leave(_):
+        with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+
+    with ThreadPoolExecutor(4) as pool:  # 16 members: the server's whole capacity
+        list(pool.map(stream_then_leave, range(4)))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        health = httpx.get(server["url"] + "/health").json()
+        if health["unfinished_requests"] == 0 and health["members_in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert health == {"status": "ok", "unfinished_requests": 0, "members_in_flight": 0}
+    # and the capacity is there again at once
+    assert client(server).completions.create(model="tiny", prompt=PROMPT, n=LIMIT, max_tokens=1).choices
+
+
+def test_sigterm_during_a_streaming_group_ends_cleanly(server):
+    received = []
+
+    def read_stream():
+        body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 480, "min_tokens": 480, "stream": True}
+        with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    received.append(line)
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(received) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server["url"] + "/health").json()["unfinished_requests"] > 0
+    server["process"].send_signal(signal.SIGTERM)
+    assert server["process"].wait(timeout=90) == 0
+    reader.join(timeout=30)
+    assert not reader.is_alive()
+    assert "qmc-serve: stopped; 0 engine requests unfinished" in server["log"].read_text()
