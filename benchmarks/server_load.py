@@ -102,7 +102,8 @@ async def load(name: str, base_url: str, requests: int, n: int, args: argparse.N
             print(f"{name} request {i} failed: {e!r}", file=sys.stderr)
 
     start = time.monotonic()
-    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(requests))), timeout=args.timeout)
+    async with client:
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(requests))), timeout=args.timeout)
     return Phase(name, latencies, refused, errors, tokens, time.monotonic() - start)
 
 

@@ -1,9 +1,10 @@
 """``qmc-eval``: run pass@k evaluations and score them.
 
-    qmc-eval run --task T --samplers iid,lattice,sobol --n 64 --groups R --problems P --out DIR
-                 [--model DIR] [--dtype auto|bfloat16|float16|float32] [--temperature 1.0] [--top-p 1]
-                 [--top-k 0] [--min-p 0] [--max-tokens M] [--seed S] [--order id|sorted]
-                 [--task-option key=value ...]
+    qmc-eval run --task T|jsonl:PATH --samplers iid,lattice,sobol --n 64 --groups R --problems P --out DIR
+                 [--model DIR] [--dtype auto|bfloat16|float16|float32]
+                 [--endpoint URL ...] [--served-model NAME] [--api-key KEY] [--concurrency 32]
+                 [--temperature 1.0] [--top-p 1] [--top-k 0] [--min-p 0] [--max-tokens M] [--seed S]
+                 [--order id|sorted] [--task-option key=value ...]
     qmc-eval score DIR [--json] [--plot out.png] [--k 1,2,4]
     qmc-eval passk FILE.jsonl [--json] [--plot out.png] [--k 1,2,4]
 
@@ -23,7 +24,7 @@ from typing import NoReturn
 
 from qmc_sampler.eval.report import as_json, format_table, plot, summarize
 from qmc_sampler.eval.samples import SampleFileError, correct_arrays, read_samples
-from qmc_sampler.eval.tasks import TASKS
+from qmc_sampler.eval.tasks import JSONL_PREFIX, TASKS
 
 from qmc_sampler.cpu_defaults import DTYPES
 from qmc_sampler.designs import METHODS
@@ -61,6 +62,12 @@ def _samplers(text: str) -> tuple[str, ...]:
     return names
 
 
+def _task(text: str) -> str:
+    if text in TASKS or (text.startswith(JSONL_PREFIX) and len(text) > len(JSONL_PREFIX)):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a task; use one of {', '.join(TASKS)}, or jsonl:PATH")
+
+
 def _ks(text: str) -> list[int]:
     try:
         ks = sorted({int(k) for k in text.split(",")})
@@ -86,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qmc-eval", description="pass@k evaluation of correlated samplers")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="generate and score groups of samples")
-    run.add_argument("--task", required=True, choices=TASKS, metavar="TASK", help=f"one of {', '.join(TASKS)}")
+    run.add_argument(
+        "--task", required=True, type=_task, metavar="TASK", help=f"one of {', '.join(TASKS)}, or jsonl:PATH"
+    )
     run.add_argument("--samplers", type=_samplers, default=("iid", "lattice"), help="comma-separated designs")
     run.add_argument("--n", type=_positive_int, default=64, help="group size N")
     run.add_argument("--groups", type=_positive_int, default=1, help="groups per problem and sampler")
@@ -99,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="engine dtype; auto: bf16 where the CPU has native bf16, else float32 (GPUs: the model's)",
     )
+    fleet = run.add_argument_group("served models (instead of an in-process engine)")
+    fleet.add_argument(
+        "--endpoint", action="append", default=[], metavar="URL", help="an OpenAI-compatible server (repeatable)"
+    )
+    fleet.add_argument("--served-model", default=None, help="the model name the endpoints serve (default: theirs)")
+    fleet.add_argument("--api-key", default=None, help="Bearer key for the endpoints (or set $QMC_EVAL_API_KEY)")
+    fleet.add_argument("--concurrency", type=_positive_int, default=32, help="member requests in flight")
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
@@ -127,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from qmc_sampler.eval.runner import RunConfig, RunError, run
+    from qmc_sampler.eval.tasks import get_task
 
     from qmc_sampler.reference import validate_sampling
 
@@ -140,6 +157,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
             .replace("min_p", "--min-p")
             .replace("temperature", "--temperature", 1)
         )
+    backend = None
+    model = args.model
+    if args.endpoint:
+        if args.model is not None:
+            _fail("--model runs an in-process engine; with --endpoint, name the served model with --served-model")
+        from qmc_sampler.eval.endpoints import EndpointBackend, EndpointError
+
+        api_key = args.api_key or os.environ.get("QMC_EVAL_API_KEY")
+        backend = EndpointBackend(args.endpoint, args.served_model, api_key, args.concurrency)
+        try:
+            where = backend.connect()
+        except EndpointError as e:
+            _fail(str(e))
+        model = backend.model
+    elif args.model is not None and not (Path(args.model) / "config.json").is_file():
+        _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
+    try:
+        task = get_task(args.task, **dict(args.task_option))
+    except TypeError as e:  # a --task-option the task does not take
+        _fail(f"--task-option: {e}")
+    except ValueError as e:  # a bad task file ("PATH:LINE: …") or verifier
+        _fail(str(e))
     config = RunConfig(
         task=args.task,
         samplers=args.samplers,
@@ -147,7 +186,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         groups=args.groups,
         problems=args.problems,
         out=args.out,
-        model=args.model,
+        model=model,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -158,21 +197,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
         task_options=dict(args.task_option),
         dtype=args.dtype,
     )
-    if args.model is not None and not (Path(args.model) / "config.json").is_file():
-        _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
     from qmc_sampler.eval.console import engine_output_to
 
     log = Path(args.out) / "engine.log"
     try:
-        # vLLM's own output goes to the log; the progress bar and the table stay readable.
-        with engine_output_to(log) as console:
-            out = run(config, progress=not args.quiet, console=console)
+        if backend is not None:
+            print(where, flush=True)
+            out = run(config, backend=backend, task=task, progress=not args.quiet)
+        else:
+            # vLLM's own output goes to the log; the progress bar and the table stay readable.
+            with engine_output_to(log) as console:
+                out = run(config, task=task, progress=not args.quiet, console=console)
     except (RunError, SampleFileError) as e:
         _fail(str(e))
-    except TypeError as e:  # a --task-option the generator does not know
-        _fail(f"--task-option: {e}")
+    except RuntimeError as e:  # EndpointError: a request failed for good
+        _fail(str(e))
+    if backend is not None:
+        print(f"{backend.retries} requests retried (connection errors, 429, 5xx)")
     print(format_table(summarize(correct_arrays(read_samples(out / "samples.jsonl"), source=str(out)))))
-    print(f"\nsamples: {out / 'samples.jsonl'} (vLLM's log: {log})")
+    print(f"\nsamples: {out / 'samples.jsonl'}" + ("" if backend is not None else f" (vLLM's log: {log})"))
     return 0
 
 

@@ -69,13 +69,13 @@ class RunConfig:
         return json.loads(json.dumps(d))
 
 
-def group_seed(run_seed: int, task: str, problem: int, group: int) -> int:
+def group_seed(run_seed: int, task: str, problem: int | str, group: int) -> int:
     """A 63-bit group seed from (run seed, task, problem, group), the same for every sampler."""
     digest = hashlib.blake2b(f"{run_seed}|{task}|{problem}|{group}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def _prepare_out(config: RunConfig) -> tuple[Path, set[tuple[str, int, int]]]:
+def _prepare_out(config: RunConfig) -> tuple[Path, set[tuple[str, Any, int]]]:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = out / SETTINGS
@@ -89,12 +89,12 @@ def _prepare_out(config: RunConfig) -> tuple[Path, set[tuple[str, int, int]]]:
             )
     else:
         settings.write_text(json.dumps(config.identity(), indent=2) + "\n")
-    done: set[tuple[str, int, int]] = set()
+    done: set[tuple[str, Any, int]] = set()
     samples = out / SAMPLES
     if samples.exists():
         counts: dict[tuple[str, int, int], int] = {}
         for r in read_samples(samples, repair=True):
-            key = (r["sampler"], int(r["problem"]), int(r["group"]))
+            key = (r["sampler"], r["problem"], int(r["group"]))
             counts[key] = counts.get(key, 0) + 1
         done = {k for k, c in counts.items() if c == config.n}
     return out, done
@@ -131,7 +131,7 @@ def build_engine(model_dir: str, dtype: str = "auto") -> tuple[Any, str]:
     return llm, where
 
 
-def jobs_for(config: RunConfig, task: Task, problems: list[Problem], done: set[tuple[str, int, int]]) -> list[GroupJob]:
+def jobs_for(config: RunConfig, task: Task, problems: list[Problem], done: set[tuple[str, Any, int]]) -> list[GroupJob]:
     """The groups of the run that are not in the samples file yet, sampler by sampler."""
     sampling = {
         "temperature": config.temperature,
@@ -160,14 +160,22 @@ def jobs_for(config: RunConfig, task: Task, problems: list[Problem], done: set[t
 
 
 def run(
-    config: RunConfig, *, engine: Any = None, backend: Any = None, progress: bool = True, console: Any = None
+    config: RunConfig,
+    *,
+    engine: Any = None,
+    backend: Any = None,
+    task: Task | None = None,
+    progress: bool = True,
+    console: Any = None,
 ) -> Path:
     """Generate and score every missing group of the run; return the output folder.
 
     Args:
         config: the run's settings (validated by the CLI).
         engine: a ``vllm.LLM`` to reuse (tests share one); built from ``config.model`` otherwise.
-        backend: where members are generated (default: :class:`InProcessBackend` on ``engine``).
+        backend: where members are generated (default: :class:`InProcessBackend` on ``engine``;
+            :class:`~qmc_sampler.eval.endpoints.EndpointBackend` for served models).
+        task: the task, if already built (default: from ``config``).
         progress: show a progress bar over groups (moves as each group completes, with an ETA).
         console: a :class:`qmc_sampler.eval.console.Console` for the bar (default: stderr).
     """
@@ -175,7 +183,7 @@ def run(
 
     from qmc_sampler.models import resolve_model
 
-    task: Task = get_task(config.task, **config.task_options)
+    task = task or get_task(config.task, **config.task_options)
     out, done = _prepare_out(config)
     problems = task.problems(config.problems, config.seed)
     by_id = {p.problem_id: p for p in problems}

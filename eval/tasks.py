@@ -142,6 +142,8 @@ FAMILIES: dict[str, _Family] = {
     "maze": _Family("maze", dict(min_grid_size=5, max_grid_size=5, min_dist=1, max_dist=2), False, 24),
     "mini_sudoku": _Family("mini_sudoku", dict(min_empty=2, max_empty=4), False, 64),
     "arc_1d": _Family("arc_1d", dict(min_size=8, max_size=8), False, 48),
+    # GSM8K-style grade-school math, generated offline from GSM8K templates (reasoning-gym).
+    "gsm_symbolic": _Family("gsm_symbolic", {}, False, 256),
 }
 
 
@@ -211,16 +213,22 @@ def _humaneval(**overrides: Any) -> Task:
 
 
 TASKS: tuple[str, ...] = (*FAMILIES, "humaneval")
+#: Prefix of your own task files: ``jsonl:PATH`` (see :mod:`qmc_sampler.eval.jsonl_task`).
+JSONL_PREFIX = "jsonl:"
 
 
 def get_task(name: str, **overrides: Any) -> Task:
-    """The task registered under ``name`` (one of :data:`TASKS`).
+    """The task registered under ``name`` (one of :data:`TASKS`, or ``jsonl:PATH``).
 
     Raises:
-        ValueError: an unknown task name.
+        ValueError: an unknown task name (or a bad task file: ``TaskFileError``).
     """
+    if name.startswith(JSONL_PREFIX):
+        from qmc_sampler.eval.jsonl_task import JsonlTask
+
+        return JsonlTask(name.removeprefix(JSONL_PREFIX), **overrides)
     if name == "humaneval":
         return _humaneval(**overrides)
     if name not in FAMILIES:
-        raise ValueError(f"task={name!r} is not a task; use one of {list(TASKS)}")
+        raise ValueError(f"task={name!r} is not a task; use one of {list(TASKS)} or jsonl:PATH")
     return ReasoningGymTask(name, **overrides)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health`` and ``/metrics``.
+``/health``, ``/metrics`` and ``/stats`` (the plugin's counters in every engine).
 
 Request handling, in order: the API key and the body size
 (:mod:`.admission`, before anything is parsed); validate the body
@@ -103,6 +103,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             "unfinished_requests": engine.get_num_unfinished_requests(),
             "members_in_flight": limiter.in_flight,
         }
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The plugin's counters in each engine (one entry per data-parallel engine's worker)."""
+        from qmc_sampler.vllm_plugin.checks import engine_stats_async
+
+        return {"engines": await engine_stats_async(engine)}
 
     @app.get("/metrics")
     async def metrics() -> Any:
@@ -319,6 +326,7 @@ async def _serve(
         group,
         sum(len(p) for p in prompts),
         (body.top_logprobs or 0) if chat else 0,
+        body.return_token_ids,
     )
     record = request.state.record if hasattr(request.state, "record") else None
     if record is not None:

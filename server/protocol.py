@@ -11,7 +11,7 @@ Extensions to OpenAI's request body:
 * ``sampler_seed`` — group seed (default: ``seed``, else random; returned in the response);
 * ``sampler_offset`` / ``sampler_group_size`` — this request's n choices are members
   offset..offset+n−1 of a group of that size (extends a group across calls);
-* ``top_k``, ``min_p``, ``repetition_penalty``, ``include_stop_str_in_output``,
+* ``top_k``, ``min_p``, ``repetition_penalty``, ``include_stop_str_in_output``, ``return_token_ids``,
   ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` /
   ``json_object``), ``vllm_xargs`` — as in vLLM's server.
 
@@ -108,6 +108,7 @@ class _Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     include_stop_str_in_output: StrictBool = False
+    return_token_ids: StrictBool = False
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     user: str | None = None

@@ -36,6 +36,7 @@ class Meta:
     group: Group
     prompt_tokens: int
     top_logprobs: int = 0
+    return_token_ids: bool = False  # vLLM's extension: each choice's token_ids
 
     def extensions(self) -> dict[str, Any]:
         return {"sampler": self.group.method, "sampler_seed": self.group.seed}
@@ -88,7 +89,11 @@ def final_response(outputs: dict[int, Any], meta: Meta, chat: bool) -> dict[str,
         usage=usage,
         **meta.extensions(),
     )
-    return response.model_dump(mode="json", exclude_unset=False)
+    body = response.model_dump(mode="json", exclude_unset=False)
+    if meta.return_token_ids:
+        for choice in body["choices"]:
+            choice["token_ids"] = list(outputs[choice["index"]].outputs[0].token_ids)
+    return body
 
 
 #: What a logprob of -inf (a token excluded by a filter or a grammar) is sent as; JSON has no

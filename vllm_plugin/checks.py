@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PROBE_METHOD", "require_plugin", "require_plugin_async"]
+__all__ = ["PROBE_METHOD", "engine_stats_async", "require_plugin", "require_plugin_async"]
 
 PROBE_METHOD = "-qmc-sampler-probe-"
 _HOW = (
@@ -71,8 +71,21 @@ def require_plugin(llm: Any) -> dict[str, Any]:
     return _check_workers(stats)
 
 
+async def engine_stats_async(engine: Any) -> list[dict[str, Any]]:
+    """Every worker's plugin stats, across all data-parallel engines of an ``AsyncLLM``.
+
+    ``AsyncLLM.collective_rpc`` answers for the first engine only when there are
+    several; vLLM's data-parallel client asks each one with ``call_utility_all_async``.
+    """
+    core = engine.engine_core
+    if hasattr(core, "call_utility_all_async") and len(getattr(core, "core_engines", ())) > 1:
+        per_engine = await core.call_utility_all_async("collective_rpc", "qmc_sampler_stats", None, (), None)
+        return [worker for workers in per_engine for worker in workers]
+    return await engine.collective_rpc("qmc_sampler_stats")
+
+
 async def require_plugin_async(engine: Any) -> dict[str, Any]:
-    """:func:`require_plugin` for an ``AsyncLLM`` (the server's engine)."""
+    """:func:`require_plugin` for an ``AsyncLLM`` (the server's engine), every data-parallel engine included."""
     error = None
     try:
         async for _ in engine.generate({"prompt_token_ids": [0]}, _probe_params(), "qmc-sampler-probe"):
@@ -81,7 +94,7 @@ async def require_plugin_async(engine: Any) -> dict[str, Any]:
         error = e
     _front_end_refused(error)
     try:
-        stats = await engine.collective_rpc("qmc_sampler_stats")
+        stats = await engine_stats_async(engine)
     except Exception as e:
         raise _rpc_failed(e) from None
     return _check_workers(stats)

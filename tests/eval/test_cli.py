@@ -83,7 +83,11 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, capsys, line, mess
         (["passk", "{samples}", "--k", "3"], "k=3 is not estimable for design 'lattice'"),
         (["passk", "{missing}"], "does not exist"),
         (["score", "{samples}"], "is not an output folder"),
-        (["run", "--task", "nope", "--out", "x"], "invalid choice: 'nope'"),
+        (["run", "--task", "nope", "--out", "x"], "'nope' is not a task; use one of basic_arithmetic"),
+        (
+            ["run", "--task", "basic_arithmetic", "--out", "x", "--model", "m", "--endpoint", "http://127.0.0.1:9"],
+            "with --endpoint, name the served model",
+        ),
         (["run", "--task", "maze", "--samplers", "iid,lattic", "--out", "x"], "unknown sampler 'lattic'"),
         (["run", "--task", "maze", "--n", "0", "--out", "x"], "argument --n: 0 must be >= 1"),
         (["run", "--task", "maze", "--temperature", "0", "--out", "x"], "--temperature=0.0 must be a finite number"),

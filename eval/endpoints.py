@@ -1,0 +1,225 @@
+"""Generating groups on served models: any number of OpenAI-compatible endpoints running the plugin.
+
+Every member of every group is its own HTTP request carrying its place in the
+design, so a group is the same whichever endpoint serves each member — the
+counter-based draws need no coordination between replicas:
+
+* vLLM's own server: ``vllm_xargs`` = ``qmc_method``, ``qmc_seed``, ``qmc_order``,
+  ``qmc_group``, ``qmc_index``, ``qmc_n`` (:func:`~qmc_sampler.eval.generation.member_xargs`);
+* ``qmc-serve``: ``sampler``, ``sampler_seed``, ``sampler_offset`` = member,
+  ``sampler_group_size`` = n (the same explicit member, in its own fields).
+
+:class:`EndpointBackend` first checks each endpoint (reachable, the API key
+accepted, the model served, the plugin running — a vLLM server without it would
+silently sample i.i.d.), then sends the members with at most ``concurrency``
+requests in flight, spread round-robin over the endpoints that answer.
+Connection errors, 429 and 5xx are retried with exponential backoff (honouring
+``Retry-After``) on another endpoint where there is one, so a run survives
+losing a replica; any other error stops the run with one line. A group is
+handed to ``on_group`` once, when all its members are in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from qmc_sampler.eval.generation import GroupJob, OnGroup, member_xargs
+
+__all__ = ["Endpoint", "EndpointBackend", "EndpointError"]
+
+PROBE_METHOD = "-qmc-sampler-probe-"
+_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+
+
+class EndpointError(RuntimeError):
+    """An endpoint that cannot be used as asked; the message is one line naming it."""
+
+
+@dataclass
+class Endpoint:
+    """One server: where it is, what kind it is, and when it may be tried again."""
+
+    url: str  # without /v1
+    kind: str = "vllm"  # "vllm" or "qmc-serve"
+    down_until: float = 0.0
+
+
+class EndpointBackend:
+    """Generate groups on OpenAI-compatible servers (see module docstring).
+
+    Args:
+        urls: the endpoints' base URLs (``http://host:port``, with or without ``/v1``).
+        model: the served model name (default: the first one the endpoints list).
+        api_key: sent as ``Authorization: Bearer``.
+        concurrency: member requests in flight at once.
+        max_attempts: tries per member request before the run stops.
+        timeout: seconds one request may take.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        model: str | None = None,
+        api_key: str | None = None,
+        concurrency: int = 32,
+        max_attempts: int = 8,
+        timeout: float = 600.0,
+    ) -> None:
+        self.endpoints = [Endpoint(u.rstrip("/").removesuffix("/v1")) for u in urls]
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.concurrency = concurrency
+        self.max_attempts = max_attempts
+        self.timeout = timeout
+        self.retries = 0  # requests retried (connection errors, 429, 5xx)
+        self._turn = 0
+
+    # ---- start-up checks --------------------------------------------------
+    def connect(self) -> str:
+        """Check every endpoint; return one line describing the fleet.
+
+        Raises:
+            EndpointError: unreachable, key refused, model not served, or no plugin.
+        """
+        import httpx
+
+        with httpx.Client(timeout=30, headers=self.headers) as http:
+            for endpoint in self.endpoints:
+                served, owner = self._models(http, endpoint)
+                if self.model is None:
+                    self.model = served[0]
+                if self.model not in served:
+                    raise EndpointError(f"model {self.model!r} is not served by {endpoint.url} (it serves {served})")
+                endpoint.kind = "qmc-serve" if owner == "qmc-sampler" else "vllm"
+                if endpoint.kind == "vllm":
+                    self._probe_plugin(http, endpoint)
+        kinds = ", ".join(f"{e.url} ({e.kind})" for e in self.endpoints)
+        return f"{self.model} on {len(self.endpoints)} endpoint(s): {kinds}"
+
+    def _models(self, http: Any, endpoint: Endpoint) -> tuple[list[str], str | None]:
+        import httpx
+
+        try:
+            response = http.get(f"{endpoint.url}/v1/models")
+        except httpx.HTTPError as e:
+            raise EndpointError(f"endpoint {endpoint.url} is unreachable ({type(e).__name__}: {e})") from None
+        if response.status_code == 401:
+            raise EndpointError(
+                f"endpoint {endpoint.url} refused the API key (HTTP 401); pass --api-key or set QMC_EVAL_API_KEY"
+            )
+        if response.status_code != 200:
+            raise EndpointError(f"endpoint {endpoint.url} answered /v1/models with HTTP {response.status_code}")
+        try:
+            data = response.json()["data"]
+            return [m["id"] for m in data], data[0].get("owned_by")
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise EndpointError(f"endpoint {endpoint.url} is not an OpenAI-compatible server (/v1/models)") from None
+
+    def _probe_plugin(self, http: Any, endpoint: Endpoint) -> None:
+        body = {"model": self.model, "prompt": "x", "max_tokens": 1, "vllm_xargs": {"qmc_method": PROBE_METHOD}}
+        response = http.post(f"{endpoint.url}/v1/completions", json=body)
+        if response.status_code != 400 or PROBE_METHOD not in response.text:
+            raise EndpointError(
+                f"endpoint {endpoint.url} does not run the qmc-sampler plugin (a bad qmc_method was accepted): "
+                "install qmc-sampler where the server runs"
+            )
+
+    # ---- generation -------------------------------------------------------
+    def run(self, jobs: Iterable[GroupJob], on_group: OnGroup) -> None:
+        """Generate every group of ``jobs``; call ``on_group`` as each completes (see module docstring).
+
+        Raises:
+            EndpointError: a request failed for good (the groups finished before it are written).
+        """
+        if self.model is None:
+            self.connect()
+        asyncio.run(self._run(list(jobs), on_group))
+
+    async def _run(self, jobs: list[GroupJob], on_group: OnGroup) -> None:
+        import httpx
+
+        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # filled once, in group order
+        texts: list[dict[int, str]] = [{} for _ in jobs]
+        for j, job in enumerate(jobs):
+            for member in range(job.n):
+                queue.put_nowait((j, member))
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers, limits=limits) as http:
+
+            async def worker() -> None:
+                while not queue.empty():
+                    j, member = queue.get_nowait()
+                    texts[j][member] = await self._member(http, jobs[j], member)
+                    if len(texts[j]) == jobs[j].n:
+                        on_group(jobs[j], [texts[j][m] for m in range(jobs[j].n)])
+
+            workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+            try:
+                await asyncio.gather(*workers)
+            finally:
+                for w in workers:
+                    w.cancel()
+
+    def _payload(self, endpoint: Endpoint, job: GroupJob, member: int) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"model": self.model, "n": 1, "include_stop_str_in_output": True, **job.sampling}
+        if endpoint.kind == "qmc-serve":
+            body |= {
+                "sampler": job.method,
+                "sampler_seed": job.seed,
+                "sampler_offset": member,
+                "sampler_group_size": job.n,
+                "vllm_xargs": {"qmc_order": job.order},
+            }
+        else:
+            body["vllm_xargs"] = member_xargs(job, member)
+        if job.messages is not None:
+            return "/v1/chat/completions", body | {"messages": job.messages}
+        return "/v1/completions", body | {"prompt": job.prompt}
+
+    async def _member(self, http: Any, job: GroupJob, member: int) -> str:
+        import httpx
+
+        last = "no attempt"
+        for attempt in range(self.max_attempts):
+            endpoint = self._pick()
+            path, body = self._payload(endpoint, job, member)
+            wait = min(8.0, 0.5 * 2**attempt) * (0.5 + random.random())  # jitter: replicas do not retry in step
+            try:
+                response = await http.post(endpoint.url + path, json=body)
+            except httpx.HTTPError as e:  # connection refused or dropped, timeouts: try another replica
+                endpoint.down_until = time.monotonic() + 5.0
+                last = f"{endpoint.url}: {type(e).__name__}"
+            else:
+                if response.status_code == 200:
+                    choice = response.json()["choices"][0]
+                    return choice["message"]["content"] if job.messages is not None else choice["text"]
+                if response.status_code not in _RETRYABLE_STATUS:
+                    raise EndpointError(f"{endpoint.url}{path} refused member {member} of {job.group_id}: "
+                                        f"HTTP {response.status_code} {_message(response)}")  # fmt: skip
+                last = f"{endpoint.url}: HTTP {response.status_code} {_message(response)}"
+                if response.status_code == 429:
+                    wait = max(wait, float(response.headers.get("Retry-After", 1)))
+                else:
+                    endpoint.down_until = time.monotonic() + 2.0
+            self.retries += 1
+            await asyncio.sleep(wait)
+        raise EndpointError(f"member {member} of {job.group_id} failed {self.max_attempts} times; last: {last}")
+
+    def _pick(self) -> Endpoint:
+        """The next endpoint, round-robin over those not marked down (all of them if every one is)."""
+        now = time.monotonic()
+        up = [e for e in self.endpoints if e.down_until <= now] or self.endpoints
+        self._turn += 1
+        return up[self._turn % len(up)]
+
+
+def _message(response: Any) -> str:
+    try:
+        return str(response.json()["error"]["message"]).splitlines()[0][:300]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return response.text.strip().splitlines()[0][:300] if response.text.strip() else ""

@@ -1,0 +1,151 @@
+"""``qmc-eval run --endpoint``: groups generated on served models, spread over replicas.
+
+Two real servers of the tiny model, both requiring an API key: A is vLLM's own
+OpenAI server with the plugin, B is ``qmc-serve`` — a mixed fleet, so both
+request protocols are exercised. Because every member is sent as an explicit
+member of its group, a run over A and B, a run over A alone and a run in-process
+must give the same samples; and killing a replica mid-run must still complete
+the run on the other, every group written exactly once.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+pytest.importorskip("reasoning_gym", reason="eval extra not installed")
+from qmc_sampler.eval.runner import RunConfig, run
+from qmc_sampler.eval.samples import read_samples
+
+pytestmark = pytest.mark.vllm
+KEY = "fleet-key-0a8b"
+SETTINGS = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "4", "--problems", "3",
+            "--max-tokens", "6", "--temperature", "1.5"]  # fmt: skip
+
+
+def start(command, env, http_helpers, log_path):
+    free_port, wait_for_http = http_helpers
+    port = free_port()
+    log = open(log_path, "w")
+    process = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    wait_for_http(f"http://127.0.0.1:{port}/health", process)
+    return process, f"http://127.0.0.1:{port}", log
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir, http_helpers, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fleet")
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    vllm_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
+                   "--served-model-name", "tiny", "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+                   "--max-model-len", "512", "--api-key", KEY]  # fmt: skip
+    qmc_serve = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
+                 "tiny", "--kv-cache-gb", "1", "--max-model-len", "512", "--dtype", "float32"]  # fmt: skip
+    servers = []
+    try:
+        servers.append(start(vllm_server, env, http_helpers, logs / "vllm.log"))
+        servers.append(start(qmc_serve, env | {"QMC_SERVE_API_KEY": KEY}, http_helpers, logs / "qmc-serve.log"))
+        yield {"a": servers[0], "b": servers[1]}
+    finally:
+        for process, _, log in servers:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=60)
+            log.close()
+
+
+def qmc_eval(*args, key=KEY, timeout=600):
+    env = os.environ | {"QMC_EVAL_API_KEY": key} if key else os.environ
+    return subprocess.run(
+        [sys.executable, "-m", "qmc_sampler.eval", "run", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def samples(out: Path) -> set[tuple]:
+    return {
+        (r["sampler"], r["problem"], r["group"], r["member"], r["text"]) for r in read_samples(out / "samples.jsonl")
+    }
+
+
+def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
+    fleet, llm_factory, tiny_model_dir, tmp_path
+):
+    (_, url_a, _), (_, url_b, _) = fleet["a"], fleet["b"]
+    both = qmc_eval(*SETTINGS, "--endpoint", url_a, "--endpoint", url_b, "--out", str(tmp_path / "both"))
+    assert both.returncode == 0, both.stderr[-2000:]
+    assert "(vllm)" in both.stdout and "(qmc-serve)" in both.stdout
+    one = qmc_eval(*SETTINGS, "--endpoint", url_a, "--concurrency", "3", "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    llm = llm_factory(tiny_model_dir, max_model_len=512)
+    try:
+        config = RunConfig(
+            task="basic_arithmetic", samplers=("iid", "lattice"), n=4, groups=1, problems=3,
+            out=str(tmp_path / "local"), max_tokens=6, temperature=1.5,
+        )  # fmt: skip
+        local = run(config, engine=llm, progress=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert samples(tmp_path / "both") == samples(tmp_path / "one") == samples(local)
+    assert len(samples(local)) == 2 * 3 * 4 and len({s[-1] for s in samples(local)}) > 4
+
+
+def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, tmp_path):
+    free_port, _ = http_helpers
+    (_, url_a, _), (_, url_b, _) = fleet["a"], fleet["b"]
+    cases = [
+        (["--endpoint", f"http://127.0.0.1:{free_port()}"], KEY, "is unreachable (ConnectError"),
+        (["--endpoint", url_a, "--served-model", "no-such-model"], KEY, "model 'no-such-model' is not served by"),
+        (["--endpoint", url_b], "wrong-key", "refused the API key (HTTP 401)"),
+        (["--endpoint", url_a], "wrong-key", "refused the API key (HTTP 401)"),
+    ]
+    for extra, key, message in cases:
+        done = qmc_eval(*SETTINGS, *extra, "--out", str(tmp_path / "bad"), key=key)
+        assert done.returncode == 2, (extra, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("qmc-eval: error:") and message in lines[0], (extra, lines)
+
+
+def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
+    (process_a, url_a, _), (_, url_b, _) = fleet["a"], fleet["b"]
+    out = tmp_path / "killed"
+    settings = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
+                "--max-tokens", "24", "--temperature", "1.5", "--concurrency", "4"]  # fmt: skip
+    done: dict = {}
+    runner = threading.Thread(
+        target=lambda: done.update(
+            result=qmc_eval(*settings, "--endpoint", url_a, "--endpoint", url_b, "--out", str(out))
+        )
+    )
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # some groups are written: the run is under way
+        path = out / "samples.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= 3 * 8:
+            break
+        time.sleep(0.2)
+    process_a.send_signal(signal.SIGKILL)
+    runner.join(timeout=600)
+    result = done["result"]
+    assert result.returncode == 0, result.stderr[-2000:]
+    retried = int(result.stdout.split(" requests retried")[0].split()[-1])
+    assert retried > 0  # the dead replica's requests went to the other one
+    records = read_samples(out / "samples.jsonl")
+    keys = [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
+    assert len(keys) == len(set(keys)) == 2 * 12 * 8  # every group once, none lost, none duplicated
+    groups = {k[:3] for k in keys}
+    assert all(sorted(k[3] for k in keys if k[:3] == g) == list(range(8)) for g in groups)
+    reference = qmc_eval(*settings, "--endpoint", url_b, "--out", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert samples(out) == samples(tmp_path / "reference")
+    assert json.loads((out / "run.json").read_text())["model"] == "tiny"
