@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -180,3 +181,46 @@ def wait_for_http(url: str, process, timeout: float = 180.0) -> None:
 def http_helpers():
     """(free_port, wait_for_http) for tests that start servers on loopback."""
     return free_port, wait_for_http
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], log_path, env: dict[str, str] | None = None):
+    """Start ``command --port PORT`` on loopback, wait for ``/health``; yield ``(process, base_url)``.
+
+    Its output goes to ``log_path``; on exit the process is terminated (if it still runs) and
+    then its whole process group is killed, so no engine process outlives the test.
+    """
+    import os
+    import signal
+    import subprocess
+
+    port = free_port()
+    log = open(log_path, "w")
+    # Its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL.
+    process = subprocess.Popen(
+        [*command, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env or dict(os.environ),
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_http(f"{url}/health", process)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """:func:`running_server` as a fixture (a context manager for module-scoped server fixtures)."""
+    return running_server

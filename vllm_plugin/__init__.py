@@ -1,7 +1,10 @@
 """vLLM integration of qmc-sampler (``qmc_sampler.vllm_plugin``).
 
-``QMCLogitsProcessor`` is imported lazily so that ``request_args`` and ``members``
-(pure Python) import without vLLM.
+``QMCLogitsProcessor`` (:mod:`.processor`) is imported lazily so that the pure-Python
+pieces — ``request_args`` (admission), ``grouping`` (who is which member) and
+``registry`` (members and the draw cycle) — import without vLLM. ``hooks`` is the
+``vllm.general_plugins`` entry point, ``logprobs`` keeps processed logprobs the
+model's, and ``checks`` verifies at start-up that an engine runs the processor.
 """
 
 from typing import Any

@@ -30,17 +30,8 @@ SETTINGS = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "4
             "--max-tokens", "6", "--temperature", "1.5"]  # fmt: skip
 
 
-def start(command, env, http_helpers, log_path):
-    free_port, wait_for_http = http_helpers
-    port = free_port()
-    log = open(log_path, "w")
-    process = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    wait_for_http(f"http://127.0.0.1:{port}/health", process)
-    return process, f"http://127.0.0.1:{port}", log
-
-
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir, http_helpers, tmp_path_factory):
+def fleet(tiny_model_dir, serve, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet")
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     vllm_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
@@ -48,17 +39,11 @@ def fleet(tiny_model_dir, http_helpers, tmp_path_factory):
                    "--max-model-len", "512", "--api-key", KEY]  # fmt: skip
     qmc_serve = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
                  "tiny", "--kv-cache-gb", "1", "--max-model-len", "512", "--dtype", "float32"]  # fmt: skip
-    servers = []
-    try:
-        servers.append(start(vllm_server, env, http_helpers, logs / "vllm.log"))
-        servers.append(start(qmc_serve, env | {"QMC_SERVE_API_KEY": KEY}, http_helpers, logs / "qmc-serve.log"))
-        yield {"a": servers[0], "b": servers[1]}
-    finally:
-        for process, _, log in servers:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(timeout=60)
-            log.close()
+    with (
+        serve(vllm_server, logs / "vllm.log", env) as a,
+        serve(qmc_serve, logs / "qmc-serve.log", env | {"QMC_SERVE_API_KEY": KEY}) as b,
+    ):
+        yield {"a": a, "b": b}
 
 
 def qmc_eval(*args, key=KEY, timeout=600):
@@ -81,7 +66,7 @@ def samples(out: Path) -> set[tuple]:
 def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
     fleet, llm_factory, tiny_model_dir, tmp_path
 ):
-    (_, url_a, _), (_, url_b, _) = fleet["a"], fleet["b"]
+    (_, url_a), (_, url_b) = fleet["a"], fleet["b"]
     both = qmc_eval(*SETTINGS, "--endpoint", url_a, "--endpoint", url_b, "--out", str(tmp_path / "both"))
     assert both.returncode == 0, both.stderr[-2000:]
     assert "(vllm)" in both.stdout and "(qmc-serve)" in both.stdout
@@ -102,7 +87,7 @@ def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
 
 def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, tmp_path):
     free_port, _ = http_helpers
-    (_, url_a, _), (_, url_b, _) = fleet["a"], fleet["b"]
+    (_, url_a), (_, url_b) = fleet["a"], fleet["b"]
     cases = [
         (["--endpoint", f"http://127.0.0.1:{free_port()}"], KEY, "is unreachable (ConnectError"),
         (["--endpoint", url_a, "--served-model", "no-such-model"], KEY, "model 'no-such-model' is not served by"),
@@ -117,7 +102,7 @@ def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, t
 
 
 def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
-    (process_a, url_a, _), (_, url_b, _) = fleet["a"], fleet["b"]
+    (process_a, url_a), (_, url_b) = fleet["a"], fleet["b"]
     out = tmp_path / "killed"
     settings = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
                 "--max-tokens", "24", "--temperature", "1.5", "--concurrency", "4"]  # fmt: skip
@@ -134,7 +119,7 @@ def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
         if path.exists() and len(path.read_text().splitlines()) >= 3 * 8:
             break
         time.sleep(0.2)
-    process_a.send_signal(signal.SIGKILL)
+    os.killpg(process_a.pid, signal.SIGKILL)  # the server and its engine processes, at once
     runner.join(timeout=600)
     result = done["result"]
     assert result.returncode == 0, result.stderr[-2000:]

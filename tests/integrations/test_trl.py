@@ -14,7 +14,6 @@ for an unchanged policy. Expected values: transformers on the same weights.
 
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -31,24 +30,15 @@ G = 8
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir, http_helpers, tmp_path_factory):
-    free_port, wait_for_http = http_helpers
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("trl-server") / "server.log", "w")
+def base_url(tiny_model_dir, serve, tmp_path_factory):
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir, "--port", str(port),
-        "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir, "--host", "127.0.0.1",
+        "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
     ]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice", "VLLM_SERVER_DEV_MODE": "1"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", process)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+    with serve(command, tmp_path_factory.mktemp("trl-server") / "server.log", env) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ choice as an explicit member of its group, so wherever a member runs it is the
 same member: the group equals the reference loop on the same weights.
 """
 
-import os
-import subprocess
 import sys
 
 import httpx
@@ -22,21 +20,11 @@ PROMPT = [1, 70, 122, 35]
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir, http_helpers, tmp_path_factory):
-    free_port, wait_for_http = http_helpers
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("dp") / "server.log", "w")
+def url(tiny_model_dir, serve, tmp_path_factory):
     command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
-               "tiny", "--port", str(port), "--dtype", "float32", "--kv-cache-gb", "1",
-               "--data-parallel-size", "2"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", process)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+               "tiny", "--dtype", "float32", "--kv-cache-gb", "1", "--data-parallel-size", "2"]  # fmt: skip
+    with serve(command, tmp_path_factory.mktemp("dp") / "server.log") as (_, base):
+        yield base
 
 
 def test_a_group_split_over_two_engines_equals_the_reference_loop(url, hf_model, tiny_model_dir):

@@ -8,7 +8,6 @@ HTTP. The last test stops the server with SIGTERM in the middle of a stream.
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -29,27 +28,17 @@ PROMPT = "the quick brown"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, http_helpers, tmp_path_factory):
-    free_port, wait_for_http = http_helpers
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("qmc-serve-prod") / "server.log"
-    log = open(log_path, "w")
+def server(tiny_model_dir, serve, tmp_path_factory):
+    log = tmp_path_factory.mktemp("qmc-serve-prod") / "server.log"
     command = [
         sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name", "tiny",
-        "--port", str(port), "--kv-cache-gb", "1", "--max-body-bytes", "4096",
-        "--max-members-in-flight", str(LIMIT), "--shutdown-timeout", "3",
+        "--kv-cache-gb", "1", "--max-body-bytes", "4096", "--max-members-in-flight", str(LIMIT),
+        "--shutdown-timeout", "3",
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}  # the key stays out of `ps`
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", process)
-        yield {"url": f"http://127.0.0.1:{port}", "process": process, "log": log_path}
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            process.wait(timeout=60)
-        log.close()
+    with serve(command, log, env) as (process, url):
+        yield {"url": url, "process": process, "log": log}
 
 
 def client(server, key=KEY):

@@ -1,7 +1,6 @@
 """``qmc-serve`` end to end: a real server process on loopback, the official ``openai`` client."""
 
 import os
-import subprocess
 import sys
 import time
 
@@ -18,39 +17,12 @@ PROMPT = "the quick brown"
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir, http_helpers, tmp_path_factory):
-    free_port, wait_for_http = http_helpers
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("qmc-serve") / "server.log", "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "qmc_sampler.server.main",
-            "--model",
-            tiny_model_dir,
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-            "--sampler",
-            "lattice",
-            "--max-n",
-            "64",
-            "--kv-cache-gb",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", process)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+def base_url(tiny_model_dir, serve, tmp_path_factory):
+    command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
+               "tiny", "--sampler", "lattice", "--max-n", "64", "--kv-cache-gb", "1"]  # fmt: skip
+    log = tmp_path_factory.mktemp("qmc-serve") / "server.log"
+    with serve(command, log, os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

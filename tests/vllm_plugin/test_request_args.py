@@ -70,7 +70,15 @@ def test_auto_groups_carry_the_params_fingerprint_and_the_front_end_clock(monkey
 
 
 def test_designs_that_need_a_size_are_auto_grouped_as_lattices(caplog):
-    request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"}))
+    import logging
+
+    # vLLM's logging setup stops "vllm.*" loggers from propagating to the root logger.
+    logger = logging.getLogger("vllm.qmc_sampler")
+    logger.addHandler(caplog.handler)
+    try:
+        request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"}))
+    finally:
+        logger.removeHandler(caplog.handler)
     assert request.method == "lattice"
     assert "needs its group size" in caplog.text
 

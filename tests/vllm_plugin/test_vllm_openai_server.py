@@ -24,43 +24,14 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, http_helpers, tmp_path_factory):
-    free_port, wait_for_http = http_helpers
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("vllm-server") / "server.log", "w")
+def server(tiny_model_dir, serve, tmp_path_factory):
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+               "--max-model-len", "256",
+               "--logits-processors", "qmc_sampler.vllm_plugin:QMCLogitsProcessor"]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice"}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            tiny_model_dir,
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--logits-processors",
-            "qmc_sampler.vllm_plugin:QMCLogitsProcessor",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", process)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+    with serve(command, tmp_path_factory.mktemp("vllm-server") / "server.log", env) as (_, url):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.parametrize(
