@@ -72,11 +72,13 @@ def test_auto_groups_carry_the_params_fingerprint_and_the_front_end_clock(monkey
 def test_designs_that_need_a_size_are_auto_grouped_as_lattices(caplog):
     import logging
 
-    # vLLM's logging setup stops "vllm.*" loggers from propagating to the root logger.
+    # vLLM's logging setup stops "vllm.*" loggers from propagating to the root logger, and
+    # imports elsewhere in a test session can raise the root level: capture at WARNING here.
     logger = logging.getLogger("vllm.qmc_sampler")
     logger.addHandler(caplog.handler)
     try:
-        request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"}))
+        with caplog.at_level(logging.WARNING, logger="vllm.qmc_sampler"):
+            request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"}))
     finally:
         logger.removeHandler(caplog.handler)
     assert request.method == "lattice"
