@@ -148,7 +148,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         tokenizer = engine.get_tokenizer()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **body.template_kwargs())
         except Exception as e:  # a template that rejects these roles/orders
             raise RequestError(f"messages cannot be rendered with the model's chat template: {e}", "messages") from e
         # The template already placed any special tokens (BOS) it wants.
@@ -278,6 +278,23 @@ def _sampling_kwargs(body: Any, prompts: list[list[int]], settings: ServerSettin
         kwargs["top_k"] = max(body.top_k, 0)
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.min_tokens > kwargs["max_tokens"]:
+        raise RequestError(f"min_tokens={body.min_tokens} must be <= max_tokens={kwargs['max_tokens']}", "min_tokens")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(body, name)
+        if ids is not None:
+            bad = next((i for i in ids if not 0 <= i < settings.vocab_size), None)
+            if bad is not None:
+                raise RequestError(
+                    f"{name} has {bad}, which is out of vocabulary (valid ids: 0..{settings.vocab_size - 1})", name
+                )
+            kwargs[name] = ids
+    for name, default in (("min_tokens", 0), ("ignore_eos", False), ("skip_special_tokens", True),
+                          ("spaces_between_special_tokens", True)):  # fmt: skip
+        if getattr(body, name) != default:
+            kwargs[name] = getattr(body, name)
+    if body.bad_words:
+        kwargs["bad_words"] = body.bad_words
     if body.include_stop_str_in_output:
         kwargs["include_stop_str_in_output"] = True
     if body.logit_bias:

@@ -12,7 +12,8 @@ the plugin loaded through its entry point; the model defaults to the embedded
 SmolLM2-135M-Instruct. Before serving, it checks that the engine runs the
 plugin (else one line and exit code 1: it would label i.i.d. samples
 ``lattice``). On SIGTERM it stops accepting requests, lets running ones finish
-for ``--shutdown-timeout`` seconds, aborts what is left, and exits 0.
+for ``--shutdown-timeout`` seconds, aborts what is left (those responses end
+properly, with ``finish_reason: "abort"``), and exits 0.
 
 Data parallelism: ``--data-parallel-size N`` starts N engine cores behind vLLM's
 load balancer; each choice of a response is its own member request with an
@@ -152,17 +153,46 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout
     )
-    _graceful_server_class()(config).run()
+    _graceful_server_class(app)(config).run()
     return 0
 
 
-def _graceful_server_class() -> type:
+#: Seconds the responses of aborted members get to send their last chunk and ``[DONE]``.
+_ABORT_FLUSH_S = 5.0
+
+
+def _graceful_server_class(app: Any) -> type:
     import signal
 
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """uvicorn, minus re-raising SIGTERM after its graceful shutdown (which would exit −15, not 0)."""
+        """uvicorn with a shutdown that ends every response properly.
+
+        At the end of ``--shutdown-timeout`` the engine requests still running are
+        aborted first, so their responses finish (``finish_reason: "abort"``, then
+        ``[DONE]``) instead of being cut mid-body when uvicorn cancels their tasks;
+        and SIGTERM is not re-raised after the shutdown (which would exit −15, not 0).
+        """
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            grace = self.config.timeout_graceful_shutdown
+            if grace is None:  # wait for every response, however long
+                await super().shutdown(sockets)
+                return
+
+            async def abort_when_time_is_up() -> None:
+                await asyncio.sleep(grace)
+                abort_all = getattr(app.state, "abort_all", None)
+                if abort_all is not None:
+                    await abort_all()
+
+            watcher = asyncio.create_task(abort_when_time_is_up())
+            self.config.timeout_graceful_shutdown = grace + _ABORT_FLUSH_S
+            try:
+                await super().shutdown(sockets)
+            finally:
+                watcher.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
@@ -207,6 +237,7 @@ def _outer_app(engine_args: Any, args: argparse.Namespace, name: str, api_key: s
         )
         served = build_app(engine, settings)
         app.mount("/", served)
+        app.state.abort_all = served.state.abort_all  # for the server's shutdown
         try:
             yield
         finally:

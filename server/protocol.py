@@ -11,9 +11,15 @@ Extensions to OpenAI's request body:
 * ``sampler_seed`` — group seed (default: ``seed``, else random; returned in the response);
 * ``sampler_offset`` / ``sampler_group_size`` — this request's n choices are members
   offset..offset+n−1 of a group of that size (extends a group across calls);
-* ``top_k``, ``min_p``, ``repetition_penalty``, ``include_stop_str_in_output``, ``return_token_ids``,
-  ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` /
-  ``json_object``), ``vllm_xargs`` — as in vLLM's server.
+* ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+  ``allowed_token_ids``, ``bad_words``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+  ``include_stop_str_in_output``, ``return_token_ids``, ``structured_outputs`` (``json`` / ``regex`` /
+  ``choice`` / ``grammar`` / ``json_object``), ``vllm_xargs``, and for chat
+  ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` — as in vLLM's server.
+
+vLLM's other request extensions that change the result (:data:`REFUSED_VLLM_FIELDS`:
+beam search, prompt logprobs, prompt truncation, a request's own chat template, …) are refused with a 400 naming
+the field when set, rather than ignored.
 
 Every OpenAI field of both endpoints is either served or refused with a 400
 naming it — never silently ignored where ignoring it would change the result:
@@ -27,7 +33,7 @@ as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -36,6 +42,26 @@ from qmc_sampler.designs import METHODS
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestError", "error_body"]
 
 XArgValue = str | int | float | list[str | int | float]
+
+#: vLLM request extensions this server does not serve, with the value that means "not used";
+#: any other value is a 400 naming the field (ignoring it would change what the client gets).
+REFUSED_VLLM_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "logprob_token_ids": None,
+    "prompt_embeds": None,
+    "watermarking": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+}
+
+#: The same for ``/v1/chat/completions`` only (a request-supplied template is code).
+REFUSED_VLLM_CHAT_FIELDS: dict[str, Any] = {"echo": False, "chat_template": None, "tools_template": None}
+
+#: ``chat_template_kwargs`` keys that are the server's to set.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "chat_template", "return_dict"})
 
 
 class RequestError(ValueError):
@@ -109,6 +135,13 @@ class _Sampling(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     include_stop_str_in_output: StrictBool = False
     return_token_ids: StrictBool = False
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     user: str | None = None
@@ -117,6 +150,31 @@ class _Sampling(BaseModel):
     sampler_offset: StrictInt = 0
     sampler_group_size: StrictInt | None = None
     vllm_xargs: dict[str, XArgValue] | None = None
+
+    _refused: ClassVar[dict[str, Any]] = REFUSED_VLLM_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_vllm_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, unused in cls._refused.items():
+                if name in data and data[name] != unused:
+                    raise RequestError(f"{name} is a vLLM extension this server does not serve; omit it", name)
+        return data
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"min_tokens={value} must be >= 0")
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not value:
+            raise ValueError("allowed_token_ids must name at least one token")
+        return value
 
     @field_validator("sampler")
     @classmethod
@@ -267,17 +325,45 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
+    _refused: ClassVar[dict[str, Any]] = REFUSED_VLLM_FIELDS | REFUSED_VLLM_CHAT_FIELDS
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_combinations(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise RequestError(
+                    "continue_final_message=true needs add_generation_prompt=false", "continue_final_message"
+                )
+            if self.messages[-1].role != "assistant":
+                raise RequestError(
+                    "continue_final_message=true needs the last message to be the assistant's",
+                    "continue_final_message",
+                )
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise RequestError(
+                f"chat_template_kwargs may not set {reserved} (the server sets them)", "chat_template_kwargs"
+            )
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``apply_chat_template``; ``chat_template_kwargs`` win, as in vLLM."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            **(self.chat_template_kwargs or {}),
+        }
 
     @field_validator("top_logprobs")
     @classmethod

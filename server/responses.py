@@ -61,13 +61,16 @@ def final_response(outputs: dict[int, Any], meta: Meta, chat: bool) -> dict[str,
     for index in sorted(outputs):
         out = outputs[index].outputs[0]
         completion_tokens += len(out.token_ids)
-        finish = out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
+        finish = out.finish_reason or "stop"
+        # vLLM's "abort" (a member cut off by a shutdown) is outside the client's Literal; like
+        # vLLM's own server we send it as it is, so a cut-off member never reads as finished.
+        strict = finish in ("stop", "length")
         if chat:
             logprobs = (
                 ChoiceLogprobs(content=_chat_logprobs(out, meta.top_logprobs)) if out.logprobs is not None else None
             )
             choices.append(
-                Choice(
+                (Choice if strict else Choice.model_construct)(
                     index=index,
                     finish_reason=finish,
                     logprobs=logprobs,
@@ -76,7 +79,9 @@ def final_response(outputs: dict[int, Any], meta: Meta, chat: bool) -> dict[str,
             )
         else:
             choices.append(
-                CompletionChoice(index=index, text=out.text, finish_reason=finish, logprobs=_completion_logprobs(out))
+                (CompletionChoice if strict else CompletionChoice.model_construct)(
+                    index=index, text=out.text, finish_reason=finish, logprobs=_completion_logprobs(out)
+                )
             )
     usage = _usage(meta.prompt_tokens, completion_tokens)
     model, kind = (ChatCompletion, "chat.completion") if chat else (Completion, "text_completion")
@@ -168,7 +173,7 @@ async def sse(
             async for index, output in deltas:
                 out = output.outputs[0]
                 completion_tokens += len(out.token_ids)
-                finish = out.finish_reason if out.finish_reason in ("stop", "length") else None
+                finish = out.finish_reason  # None until the member's last chunk; "abort" on shutdown
                 if chat:
                     delta = ChoiceDelta(content=out.text, role=None if index in started else "assistant")
                     started.add(index)

@@ -33,7 +33,7 @@ def server(tiny_model_dir, serve, tmp_path_factory):
     command = [
         sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name", "tiny",
         "--kv-cache-gb", "1", "--max-body-bytes", "4096", "--max-members-in-flight", str(LIMIT),
-        "--shutdown-timeout", "3",
+        "--shutdown-timeout", "1",  # < the time the 480-token stream below takes (~4 s here)
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}  # the key stays out of `ps`
@@ -224,14 +224,17 @@ def test_clients_that_disconnect_under_load_free_their_members_at_once(server):
 
 
 def test_sigterm_during_a_streaming_group_ends_cleanly(server):
-    received = []
+    received, failures = [], []
 
     def read_stream():
         body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 480, "min_tokens": 480, "stream": True}
-        with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
-            for line in r.iter_lines():
-                if line:
-                    received.append(line)
+        try:
+            with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        received.append(line)
+        except httpx.HTTPError as e:  # a body cut mid-stream
+            failures.append(e)
 
     reader = threading.Thread(target=read_stream)
     reader.start()
@@ -244,3 +247,11 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
     reader.join(timeout=30)
     assert not reader.is_alive()
     assert "qmc-serve: stopped; 0 engine requests unfinished" in server["log"].read_text()
+    # The stream outlived --shutdown-timeout (1 s); its members were aborted and the body still
+    # ended properly: every member's last chunk says "abort", then [DONE].
+    assert failures == []
+    assert received[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in received[:-1]]
+    last = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    finished = {choice["index"]: choice["finish_reason"] for choice in last}
+    assert finished == dict.fromkeys(range(8), "abort")

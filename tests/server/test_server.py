@@ -196,6 +196,14 @@ BAD = [
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"echo": True}, "echo"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ({"stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages"),
@@ -203,6 +211,14 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ messages }}"}, "chat_template"),
+    ({"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}, "use_beam_search"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "continue_final_message"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
+        "chat_template_kwargs",
+    ),
 ]
 
 
@@ -257,3 +273,46 @@ def test_best_of_equal_to_n_and_logit_bias_are_served(client, tiny_model_dir):
     )
     token = tokenizer.decode([fox])
     assert [c.logprobs.tokens[0] for c in biased.choices] == [token] * 4
+
+
+def test_vllms_sampling_extensions_are_served_not_ignored(client, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (fox,) = tokenizer.encode(" fox")
+
+    def sample(favoured, **fields):
+        response = client.completions.create(
+            model="tiny", prompt=PROMPT, n=4, max_tokens=8, logit_bias=dict.fromkeys(map(str, favoured), 100),
+            extra_body={"return_token_ids": True, **fields},
+        )  # fmt: skip
+        choices = sorted(response.choices, key=lambda c: c.index)
+        return [(len(c.model_extra["token_ids"]), c.finish_reason) for c in choices], choices
+
+    # The favoured token is drawn at once and stops the member; min_tokens holds the stop back.
+    assert sample([fox], stop_token_ids=[fox])[0] == [(1, "stop")] * 4
+    assert sample([fox], stop_token_ids=[fox], min_tokens=3)[0] == [(4, "stop")] * 4
+    only, choices = sample([fox], allowed_token_ids=[fox])
+    assert only == [(8, "length")] * 4 and {t for c in choices for t in c.model_extra["token_ids"]} == {fox}
+    # vLLM bans a bad word with and without a leading space ("the" and " the" are one token each here).
+    the = [*tokenizer.encode("the"), *tokenizer.encode(" the")]
+    _, favoured = sample(the)
+    _, banned = sample(the, bad_words=["the"])
+    assert {t for c in favoured for t in c.model_extra["token_ids"]} <= set(the)
+    assert not {t for c in banned for t in c.model_extra["token_ids"]} & set(the)
+
+
+def test_chat_template_options_shape_the_prompt_as_in_vllm(client):
+    def prompt_tokens(messages, **fields):
+        response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=fields)
+        return response.usage.prompt_tokens
+
+    user = [{"role": "user", "content": "the quick brown"}]
+    with_prompt = prompt_tokens(user)
+    without = prompt_tokens(user, add_generation_prompt=False)
+    assert with_prompt > without  # the template's "<|assistant|>" is left out
+    assert prompt_tokens(user, chat_template_kwargs={"add_generation_prompt": False}) == without  # kwargs win
+    # Continuing the assistant's message leaves its end-of-turn out.
+    partial = [*user, {"role": "assistant", "content": "fox"}]
+    closed = prompt_tokens(partial, add_generation_prompt=False)
+    assert prompt_tokens(partial, add_generation_prompt=False, continue_final_message=True) < closed
