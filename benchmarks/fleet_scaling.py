@@ -34,11 +34,14 @@ def main() -> int:
     from qmc_sampler.eval.runner import RunConfig, group_seed, jobs_for
     from qmc_sampler.eval.tasks import get_task
 
-    from qmc_sampler.cpu_defaults import describe_cpu, engine_dtype
+    from qmc_sampler.cpu_defaults import describe_cpu, engine_block_size, engine_dtype
     from qmc_sampler.models import resolve_model
 
     model = resolve_model(args.model)
-    dtype, why = engine_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu", model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = engine_dtype("auto", device, model)
+    block_size = engine_block_size(device_type=device)  # groups share their prompt's KV blocks
+    blocks = ["--block-size", str(block_size)] if block_size is not None else []
     cores = sorted(os.sched_getaffinity(0))
     print(f"{describe_cpu()}; {dtype} ({why}); replica i pinned to core {cores[0]} / {cores[-1]}", flush=True)
     servers, urls = [], []
@@ -52,7 +55,8 @@ def main() -> int:
                 "VLLM_CPU_OMP_THREADS_BIND": str(core),
             }
             command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
-                       str(port), "--served-model-name", "served", "--dtype", dtype, "--enforce-eager"]  # fmt: skip
+                       str(port), "--served-model-name", "served", "--dtype", dtype, "--enforce-eager",
+                       *blocks]  # fmt: skip
             servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for server, url in zip(servers, urls, strict=True):

@@ -123,11 +123,14 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from qmc_sampler.cpu_defaults import cpu_engine_env, describe_cpu, engine_dtype
+    from qmc_sampler.cpu_defaults import cpu_engine_env, describe_cpu, engine_block_size, engine_dtype
     from qmc_sampler.models import resolve_model
 
     model = resolve_model(args.model)
-    dtype, why = engine_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu", model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = engine_dtype("auto", device, model)
+    block_size = engine_block_size(device_type=device)  # qmc-serve's default; vLLM's server gets the same
+    blocks = ["--block-size", str(block_size)] if block_size is not None else []
     env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "2"} | cpu_engine_env()
     print(f"{describe_cpu()}; both servers: {dtype} ({why})", flush=True)
     limit = args.requests * args.n
@@ -147,7 +150,7 @@ def main() -> int:
         server.wait(timeout=60)
     port = free_port()
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-            "--served-model-name", "served", "--dtype", dtype, "--enforce-eager"]  # fmt: skip
+            "--served-model-name", "served", "--dtype", dtype, "--enforce-eager", *blocks]  # fmt: skip
     server = serve(vllm, port, env)
     try:
         theirs = asyncio.run(load("vllm", f"http://127.0.0.1:{port}/v1", args.requests, args.n, args, vllm=True))

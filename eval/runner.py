@@ -111,7 +111,7 @@ def build_engine(model_dir: str, dtype: str = "auto") -> tuple[Any, str]:
     """
     import torch
 
-    from qmc_sampler.cpu_defaults import cpu_engine_env, engine_dtype
+    from qmc_sampler.cpu_defaults import cpu_engine_env, engine_block_size, engine_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     chosen, why = engine_dtype(dtype, device, model_dir)
@@ -121,7 +121,9 @@ def build_engine(model_dir: str, dtype: str = "auto") -> tuple[Any, str]:
     from qmc_sampler.vllm_plugin.checks import require_plugin
     from vllm import LLM
 
-    llm = LLM(model=model_dir, enforce_eager=True, seed=0, dtype=chosen)
+    block_size = engine_block_size(device_type=device)  # CPU: groups share their prompt's KV blocks
+    blocks = {"block_size": block_size} if block_size is not None else {}
+    llm = LLM(model=model_dir, enforce_eager=True, seed=0, dtype=chosen, **blocks)
     try:
         require_plugin(llm)
     except RuntimeError as e:

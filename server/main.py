@@ -1,7 +1,7 @@
 """``qmc-serve``: the OpenAI-compatible server with correlated n > 1 groups.
 
     qmc-serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--sampler lattice] [--max-n 128]
-              [--served-model-name NAME] [--max-model-len N] [--dtype auto] [--kv-cache-gb 2]
+              [--served-model-name NAME] [--max-model-len N] [--dtype auto] [--kv-cache-gb 2] [--block-size N]
               [--api-key KEY | $QMC_SERVE_API_KEY] [--max-body-bytes 1048576]
               [--max-members-in-flight 1024] [--queue-timeout 0] [--shutdown-timeout 30]
               [--logprobs-mode raw_logprobs] [--structured-outputs-config JSON]
@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", choices=DTYPES, default="auto", help="auto: bf16 where the CPU has it natively, else float32"
     )
     p.add_argument("--kv-cache-gb", type=int, default=None, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--block-size", type=_positive, default=None, help="KV-cache block size in tokens (CPU default: 32)")
     p.add_argument("--no-enforce-eager", action="store_true", help="let vLLM compile (slower start)")
     p.add_argument("--api-key", default=None, help=f"require this Bearer key on /v1/* (or set ${API_KEY_ENV})")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from qmc_sampler.cpu_defaults import cpu_engine_env, engine_dtype
+    from qmc_sampler.cpu_defaults import cpu_engine_env, engine_block_size, engine_dtype
     from qmc_sampler.models import resolve_model
 
     try:
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype, why = engine_dtype(args.dtype, device, model)
+    block_size = engine_block_size(args.block_size, device)  # CPU: members share their prompt's KV blocks
     if device == "cpu":
         os.environ.update(cpu_engine_env())
     dp = {
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=not args.no_enforce_eager,
         seed=args.seed,
         logprobs_mode=args.logprobs_mode,
+        **({"block_size": block_size} if block_size is not None else {}),
         **dp,
         **({"structured_outputs_config": structured} if structured is not None else {}),
     )

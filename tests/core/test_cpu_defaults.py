@@ -1,10 +1,18 @@
-"""The engine's dtype and reserved core are chosen from what the CPU supports."""
+"""The engine's dtype, reserved core and KV block size are chosen from what the CPU supports."""
 
 import json
 
 import pytest
 
-from qmc_sampler.cpu_defaults import checkpoint_dtype, cpu_engine_env, cpu_flags, engine_dtype, native_bf16
+from qmc_sampler.cpu_defaults import (
+    CPU_BLOCK_SIZE,
+    checkpoint_dtype,
+    cpu_engine_env,
+    cpu_flags,
+    engine_block_size,
+    engine_dtype,
+    native_bf16,
+)
 
 AVX512_NO_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512vl\n"
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -57,3 +65,11 @@ def test_the_default_model_is_a_bf16_checkpoint():
         pytest.skip(str(e))
     assert checkpoint_dtype(str(model)) == "bfloat16"
     assert engine_dtype("auto", "cpu", str(model), cpuinfo=AVX512_NO_BF16)[0] == "float32"
+
+
+def test_cpu_engines_use_blocks_small_enough_for_group_prompts_to_be_shared():
+    # The CPU attention kernel takes multiples of 32; vLLM's CPU default (128) shares no prompt under 128 tokens.
+    assert CPU_BLOCK_SIZE % 32 == 0 and CPU_BLOCK_SIZE < 128
+    assert engine_block_size(None, "cpu") == CPU_BLOCK_SIZE
+    assert engine_block_size(None, "cuda") is None  # vLLM's own default on GPUs
+    assert engine_block_size(64, "cpu") == 64

@@ -142,6 +142,15 @@ def test_metrics_parse_and_move_with_traffic(server):
     assert "qmc_serve_members_in_flight" in names
 
 
+def test_the_members_of_a_group_share_their_prompts_kv_blocks(server):
+    # qmc-serve's CPU block size (32) lets vLLM's prefix cache share a 70-token prompt, which its
+    # default of 128 never would: every member would prefill it again.
+    prompt = list(range(100, 170))
+    hits = metric(server, "vllm:prefix_cache_hits_total")
+    client(server).completions.create(model="tiny", prompt=prompt, n=8, max_tokens=1, extra_body={"sampler_seed": 3})
+    assert metric(server, "vllm:prefix_cache_hits_total") - hits >= 7 * 64  # two full blocks for 7 of the 8
+
+
 def test_one_structured_log_line_per_request_without_prompt_or_key(server):
     marker = "zebra quartz sphinx"
     client(server).completions.create(model="tiny", prompt=marker, n=2, max_tokens=2, extra_body={"sampler_seed": 5})
