@@ -15,7 +15,9 @@ silently sample i.i.d.), then sends the members with at most ``concurrency``
 requests in flight, spread round-robin over the endpoints that answer.
 Connection errors, 429 and 5xx are retried with exponential backoff (honouring
 ``Retry-After``) on another endpoint where there is one, so a run survives
-losing a replica; any other error stops the run with one line. A group is
+losing a replica; so is a member that comes back cut off (``finish_reason``
+neither ``stop`` nor ``length``: a replica shutting down aborts what it runs) —
+never recorded as a sample. Any other error stops the run with one line. A group is
 handed to ``on_group`` once, when all its members are in.
 """
 
@@ -34,6 +36,8 @@ __all__ = ["Endpoint", "EndpointBackend", "EndpointError"]
 
 PROBE_METHOD = "-qmc-sampler-probe-"
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+#: Finish reasons of a whole sample; any other (vLLM's "abort", "error") is a member cut off and retried.
+_COMPLETE = ("stop", "length")
 
 
 class EndpointError(RuntimeError):
@@ -195,17 +199,21 @@ class EndpointBackend:
                 endpoint.down_until = time.monotonic() + 5.0
                 last = f"{endpoint.url}: {type(e).__name__}"
             else:
-                if response.status_code == 200:
-                    choice = response.json()["choices"][0]
+                choice = response.json()["choices"][0] if response.status_code == 200 else None
+                if choice is not None and choice.get("finish_reason") in _COMPLETE:
                     return choice["message"]["content"] if job.messages is not None else choice["text"]
-                if response.status_code not in _RETRYABLE_STATUS:
+                if choice is not None:  # cut off (a replica shutting down aborts what it runs): not a sample
+                    endpoint.down_until = time.monotonic() + 5.0
+                    last = f"{endpoint.url}: member cut off (finish_reason {choice.get('finish_reason')!r})"
+                elif response.status_code not in _RETRYABLE_STATUS:
                     raise EndpointError(f"{endpoint.url}{path} refused member {member} of {job.group_id}: "
                                         f"HTTP {response.status_code} {_message(response)}")  # fmt: skip
-                last = f"{endpoint.url}: HTTP {response.status_code} {_message(response)}"
-                if response.status_code == 429:
-                    wait = max(wait, float(response.headers.get("Retry-After", 1)))
                 else:
-                    endpoint.down_until = time.monotonic() + 2.0
+                    last = f"{endpoint.url}: HTTP {response.status_code} {_message(response)}"
+                    if response.status_code == 429:
+                        wait = max(wait, float(response.headers.get("Retry-After", 1)))
+                    else:
+                        endpoint.down_until = time.monotonic() + 2.0
             self.retries += 1
             await asyncio.sleep(wait)
         raise EndpointError(f"member {member} of {job.group_id} failed {self.max_attempts} times; last: {last}")

@@ -134,3 +134,41 @@ def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
     assert reference.returncode == 0, reference.stderr[-2000:]
     assert samples(out) == samples(tmp_path / "reference")
     assert json.loads((out / "run.json").read_text())["model"] == "tiny"
+
+
+def test_a_replica_shut_down_mid_run_has_its_cut_off_members_retried(fleet, serve, tiny_model_dir, tmp_path):
+    # qmc-serve answers the members it aborts on SIGTERM with finish_reason "abort" and their text so
+    # far: those are not samples, and must be generated again on the other replica.
+    (_, url_b) = fleet["b"]
+    out = tmp_path / "drained"
+    settings = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
+                "--max-tokens", "24", "--temperature", "1.5", "--concurrency", "8"]  # fmt: skip
+    command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
+               "tiny", "--kv-cache-gb", "1", "--max-model-len", "512", "--dtype", "float32",
+               "--shutdown-timeout", "0"]  # fmt: skip
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}
+    with serve(command, tmp_path / "c.log", env) as (process_c, url_c):
+        done: dict = {}
+        runner = threading.Thread(
+            target=lambda: done.update(
+                result=qmc_eval(*settings, "--endpoint", url_b, "--endpoint", url_c, "--out", str(out))
+            )
+        )
+        runner.start()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            path = out / "samples.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= 3 * 8:
+                break
+            time.sleep(0.2)
+        process_c.send_signal(signal.SIGTERM)
+        assert process_c.wait(timeout=60) == 0
+        runner.join(timeout=600)
+    result = done["result"]
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = read_samples(out / "samples.jsonl")
+    keys = [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
+    assert len(keys) == len(set(keys)) == 2 * 12 * 8
+    reference = qmc_eval(*settings, "--endpoint", url_b, "--out", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert samples(out) == samples(tmp_path / "reference")  # no truncated text recorded as a sample
