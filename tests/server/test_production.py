@@ -33,7 +33,7 @@ def server(tiny_model_dir, serve, tmp_path_factory):
     command = [
         sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name", "tiny",
         "--kv-cache-gb", "1", "--max-body-bytes", "4096", "--max-members-in-flight", str(LIMIT),
-        "--shutdown-timeout", "1",  # < the time the 480-token stream below takes (~4 s here)
+        "--shutdown-timeout", "0.5",  # < the time the 480-token stream below takes
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}  # the key stays out of `ps`
@@ -236,7 +236,9 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
     received, failures = [], []
 
     def read_stream():
-        body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 480, "min_tokens": 480, "stream": True}
+        # 480 tokens with top-20 logprobs each: a few seconds, well beyond --shutdown-timeout
+        body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 480, "min_tokens": 480, "logprobs": 20,
+                "stream": True}  # fmt: skip
         try:
             with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
                 for line in r.iter_lines():
@@ -247,16 +249,15 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
 
     reader = threading.Thread(target=read_stream)
     reader.start()
-    deadline = time.monotonic() + 60
-    while len(received) < 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert httpx.get(server["url"] + "/health").json()["unfinished_requests"] > 0
+    deadline = time.monotonic() + 60  # SIGTERM as soon as the members run (the reader may lag behind them)
+    while httpx.get(server["url"] + "/health").json()["unfinished_requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
     server["process"].send_signal(signal.SIGTERM)
     assert server["process"].wait(timeout=90) == 0
     reader.join(timeout=30)
     assert not reader.is_alive()
     assert "qmc-serve: stopped; 0 engine requests unfinished" in server["log"].read_text()
-    # The stream outlived --shutdown-timeout (1 s); its members were aborted and the body still
+    # The stream outlived --shutdown-timeout (0.5 s); its members were aborted and the body still
     # ended properly: every member's last chunk says "abort", then [DONE].
     assert failures == []
     assert received[-1] == "data: [DONE]"
