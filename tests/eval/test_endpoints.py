@@ -8,6 +8,7 @@ must give the same samples; and killing a replica mid-run must still complete
 the run on the other, every group written exactly once.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -101,38 +102,54 @@ def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, t
         assert len(lines) == 1 and lines[0].startswith("qmc-eval: error:") and message in lines[0], (extra, lines)
 
 
-def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
-    (process_a, url_a), (_, url_b) = fleet["a"], fleet["b"]
-    out = tmp_path / "killed"
-    settings = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
-                "--max-tokens", "24", "--temperature", "1.5", "--concurrency", "4"]  # fmt: skip
+# Long enough to lose a replica in the middle: 2 samplers × 12 problems × 8 members.
+MID_RUN = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
+           "--max-tokens", "24", "--temperature", "1.5"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def run_under_way(settings, endpoints, out):
+    """``qmc-eval run`` over ``endpoints`` in a thread; the body runs once some groups are written.
+
+    Yields a dict that holds the finished run's ``result`` after the block.
+    """
     done: dict = {}
-    runner = threading.Thread(
-        target=lambda: done.update(
-            result=qmc_eval(*settings, "--endpoint", url_a, "--endpoint", url_b, "--out", str(out))
-        )
-    )
+    targets = [arg for url in endpoints for arg in ("--endpoint", url)]
+    runner = threading.Thread(target=lambda: done.update(result=qmc_eval(*settings, *targets, "--out", str(out))))
     runner.start()
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # some groups are written: the run is under way
+    while time.monotonic() < deadline:  # three groups are written: the run is under way
         path = out / "samples.jsonl"
         if path.exists() and len(path.read_text().splitlines()) >= 3 * 8:
             break
         time.sleep(0.2)
-    os.killpg(process_a.pid, signal.SIGKILL)  # the server and its engine processes, at once
+    yield done
     runner.join(timeout=600)
-    result = done["result"]
-    assert result.returncode == 0, result.stderr[-2000:]
-    retried = int(result.stdout.split(" requests retried")[0].split()[-1])
-    assert retried > 0  # the dead replica's requests went to the other one
+
+
+def assert_every_group_once_as_on_one_replica(settings, out, url, tmp_path):
+    """Every member of every group written once, none lost, and the samples of a run on ``url`` alone."""
     records = read_samples(out / "samples.jsonl")
     keys = [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
     assert len(keys) == len(set(keys)) == 2 * 12 * 8  # every group once, none lost, none duplicated
     groups = {k[:3] for k in keys}
     assert all(sorted(k[3] for k in keys if k[:3] == g) == list(range(8)) for g in groups)
-    reference = qmc_eval(*settings, "--endpoint", url_b, "--out", str(tmp_path / "reference"))
+    reference = qmc_eval(*settings, "--endpoint", url, "--out", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-2000:]
-    assert samples(out) == samples(tmp_path / "reference")
+    assert samples(out) == samples(tmp_path / "reference")  # no truncated text recorded as a sample
+
+
+def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
+    (process_a, url_a), (_, url_b) = fleet["a"], fleet["b"]
+    out = tmp_path / "killed"
+    settings = [*MID_RUN, "--concurrency", "4"]
+    with run_under_way(settings, [url_a, url_b], out) as done:
+        os.killpg(process_a.pid, signal.SIGKILL)  # the server and its engine processes, at once
+    result = done["result"]
+    assert result.returncode == 0, result.stderr[-2000:]
+    retried = int(result.stdout.split(" requests retried")[0].split()[-1])
+    assert retried > 0  # the dead replica's requests went to the other one
+    assert_every_group_once_as_on_one_replica(settings, out, url_b, tmp_path)
     assert json.loads((out / "run.json").read_text())["model"] == "tiny"
 
 
@@ -141,34 +158,15 @@ def test_a_replica_shut_down_mid_run_has_its_cut_off_members_retried(fleet, serv
     # far: those are not samples, and must be generated again on the other replica.
     (_, url_b) = fleet["b"]
     out = tmp_path / "drained"
-    settings = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
-                "--max-tokens", "24", "--temperature", "1.5", "--concurrency", "8"]  # fmt: skip
+    settings = [*MID_RUN, "--concurrency", "8"]
     command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
                "tiny", "--kv-cache-gb", "1", "--max-model-len", "512", "--dtype", "float32",
                "--shutdown-timeout", "0"]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}
     with serve(command, tmp_path / "c.log", env) as (process_c, url_c):
-        done: dict = {}
-        runner = threading.Thread(
-            target=lambda: done.update(
-                result=qmc_eval(*settings, "--endpoint", url_b, "--endpoint", url_c, "--out", str(out))
-            )
-        )
-        runner.start()
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            path = out / "samples.jsonl"
-            if path.exists() and len(path.read_text().splitlines()) >= 3 * 8:
-                break
-            time.sleep(0.2)
-        process_c.send_signal(signal.SIGTERM)
-        assert process_c.wait(timeout=60) == 0
-        runner.join(timeout=600)
+        with run_under_way(settings, [url_b, url_c], out) as done:
+            process_c.send_signal(signal.SIGTERM)
+            assert process_c.wait(timeout=60) == 0
     result = done["result"]
     assert result.returncode == 0, result.stderr[-2000:]
-    records = read_samples(out / "samples.jsonl")
-    keys = [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
-    assert len(keys) == len(set(keys)) == 2 * 12 * 8
-    reference = qmc_eval(*settings, "--endpoint", url_b, "--out", str(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert samples(out) == samples(tmp_path / "reference")  # no truncated text recorded as a sample
+    assert_every_group_once_as_on_one_replica(settings, out, url_b, tmp_path)
