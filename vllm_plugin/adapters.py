@@ -140,12 +140,17 @@ class MRV2Slots:
     def active(self, ctx: Any, num_rows: int) -> tuple[list[int], list[Member]]:
         """The rows of this step with members, each synced to its accepted token count.
 
-        Raises:
-            RuntimeError: more than one logits row per request (speculative decoding).
+        More than one logits row per request (speculative decoding, which admission
+        refuses for designed requests) leaves the whole step to the engine, loudly:
+        raising here would stop the engine for every user.
         """
         slots = ctx.idx_mapping_np.tolist()
         if num_rows != len(slots):
-            raise RuntimeError("qmc-sampler does not support speculative decoding (one logits row per request)")
+            self.registry.leave_to_engine(
+                [m for s, m in self.slots.items() if s in set(slots)],
+                "the step has more logits rows than requests (speculative decoding)",
+            )
+            return [], []
         present = set(slots)
         for slot, member in self.slots.items():
             if slot not in present and slot not in self.away:

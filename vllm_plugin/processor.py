@@ -66,7 +66,9 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         self.v1 = V1Rows(self.registry)
         self.mrv2 = MRV2Slots(self.registry, args[0]) if self.interface == "mrv2" else None
         mode = str(vllm_config.model_config.logprobs_mode)
-        require_for(mode)
+        # Without the wrap, imposed rows would report logprob 0 in this mode: admission refuses
+        # designed requests, and any that arrive anyway are left to the engine (loudly).
+        self._wrong_logprobs = None if require_for(mode) else f"{mode} cannot be kept correct on this vLLM"
         self._capture_rows = mode in PROCESSED_MODES
         self._capture: Capture | None = None
         logger.info(
@@ -97,7 +99,9 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         else:
             assert self.mrv2 is not None
             row_ids, members = self.mrv2.active(ctx, logits.shape[0])
-        if members:
+        if members and self._wrong_logprobs is not None:
+            self.registry.leave_to_engine(members, self._wrong_logprobs)
+        elif members:
             self._impose(logits, row_ids, members, temperature_applied=ctx is None)
         return logits
 
@@ -115,6 +119,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             "admitted": reg.admitted,
             "restored": reg.restored,
             "lost": reg.lost,
+            "unsampleable": reg.unsampleable,
             "parked": self.registry.parked(),
             "overflow": groups.overflow,
             "auto_groups": groups.auto_groups,
@@ -128,16 +133,37 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         self, logits: torch.Tensor, row_ids: list[int], members: list[Member], temperature_applied: bool
     ) -> None:
         device = logits.device
-        index = torch.tensor(row_ids, dtype=torch.long, device=device)
         whole_batch = len(row_ids) == logits.shape[0] and row_ids == list(range(len(row_ids)))  # no copy
+        index = torch.tensor(row_ids, dtype=torch.long, device=device)
         rows = logits if whole_batch else logits.index_select(0, index)
+        # A row with NaN or no finite logit (constraints that mask every token) has no
+        # inverse CDF: leave it to the engine, as if the request had no design.
+        drawable = torch.isfinite(rows.amax(dim=-1))
+        if not bool(drawable.all()):
+            keep = drawable.tolist()
+            self.registry.leave_to_engine(
+                [m for m, ok in zip(members, keep, strict=True) if not ok], "its logits are NaN or all -inf"
+            )
+            members = [m for m, ok in zip(members, keep, strict=True) if ok]
+            row_ids = [r for r, ok in zip(row_ids, keep, strict=True) if ok]
+            if not members:
+                return
+            whole_batch = False
+            index = torch.tensor(row_ids, dtype=torch.long, device=device)
+            rows = logits.index_select(0, index)
         if self._capture_rows:
             self._capture = Capture(
                 index,
                 rows.clone(),
                 [(m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.min_p) for m in members],
             )
-        draw, _ = self.registry.draw(rows, members, temperature_applied=temperature_applied)
+        try:
+            draw, _ = self.registry.draw(rows, members, temperature_applied=temperature_applied)
+        except Exception as e:  # never take the engine (every user's requests) down with one batch
+            logger.exception("qmc-sampler: the draw failed; this step's rows are left to the engine")
+            self._capture = None
+            self.registry.leave_to_engine(members, f"the draw failed ({type(e).__name__}: {e})")
+            return
         if whole_batch:
             logits.fill_(float("-inf"))
         else:
@@ -170,7 +196,8 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         ``{"processors": instances found, "interface": "v1" | "mrv2" | None, and the
         sums of :meth:`QMCLogitsProcessor.stats`}`` over the worker's processors:
         ``restored`` members resumed after preemption, ``lost`` members that continued
-        with fresh uniforms, ``overflow`` arrivals beyond a group's n, ``auto_*`` the
+        with fresh uniforms, ``unsampleable`` rows left to the engine (NaN or nothing
+        admissible), ``overflow`` arrivals beyond a group's n, ``auto_*`` the
         auto-grouping counters, ``rows`` members in the batch now.
     """
     runner = worker.model_runner

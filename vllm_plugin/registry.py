@@ -92,6 +92,8 @@ class Member:
     identity: Hashable = None  # the adapter's name for the request (no engine objects)
     pending: Pending | None = None
     history: int = 0  # token_history of the committed tokens
+    engine_draws: bool = False  # this step's row is left to the engine (see MemberRegistry.leave_to_engine)
+    degraded: bool = False  # it has had such a row (warned once per member)
 
     def consistent_with(self, output_ids: Sequence[int]) -> bool:
         """True if ``output_ids`` is this member's history: committed, or committed + its pending token.
@@ -120,6 +122,7 @@ class RegistryStats:
     admitted: int = 0
     restored: int = 0
     lost: int = 0
+    unsampleable: int = 0  # rows left to the engine: NaN, or no admissible token
 
 
 @dataclass
@@ -217,8 +220,17 @@ class MemberRegistry:
             last_token: the last accepted token if known (None or -1: not known yet).
         """
         state = member.state
+        engine_drew, member.engine_draws = member.engine_draws, False
         if accepted == state.step:
             member.pending = None  # the last draw was discarded (or none made yet): redraw
+            return
+        if engine_drew and accepted == state.step + 1:
+            # The engine chose this token itself: nothing to carry, and the code's
+            # coupling is gone, so carry designs continue with fresh uniforms.
+            if get_design(state.spec.method).carries:
+                state.fresh = True
+            state.step = accepted
+            member.history = token_history([last_token], member.history) if last_token not in (None, -1) else -1
             return
         p = member.pending
         if accepted == state.step + 1 and p is not None and last_token in (None, -1, p.token):
@@ -253,6 +265,30 @@ class MemberRegistry:
         for j, m in enumerate(members):
             m.pending = Pending(uniform=float(uniforms[j]), start=starts[j], prob=probs[j], token=tokens[j])
         return draw, uniforms
+
+    def leave_to_engine(self, members: Sequence[Member], why: str) -> None:
+        """Let the engine sample these members' rows itself this step (a row the inverse CDF cannot
+        draw from: NaN logits, or every token masked by the request's own constraints).
+
+        The request then gets exactly what vLLM gives it without the plugin, instead of an
+        exception inside the engine step (which would take the engine down for every user).
+        Each member warns once; :attr:`RegistryStats.unsampleable` counts every such row.
+        """
+        for m in members:
+            self.stats.unsampleable += 1
+            m.pending = None
+            m.engine_draws = True
+            if not m.degraded:
+                m.degraded = True
+                logger.warning(
+                    "qmc-sampler: member %d of group %s, step %d: %s; the engine samples that row itself and the "
+                    "member continues with fresh uniforms. Rows left to the engine so far: %d",
+                    m.placement.member,
+                    m.placement.label,
+                    m.state.step,
+                    why,
+                    self.stats.unsampleable,
+                )
 
     # ---- internals ----------------------------------------------------------
     def _lose(self, member: Member, accepted: int) -> None:
