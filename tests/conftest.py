@@ -224,3 +224,81 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
 def serve():
     """:func:`running_server` as a fixture (a context manager for module-scoped server fixtures)."""
     return running_server
+
+
+LM_EVAL_TASK = """
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+repeats: 16
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 1
+  do_sample: true
+  temperature: 1.5
+{extra}metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def run_lm_eval(base_url, tmp_path, name, extra=""):
+    """lm-evaluation-harness's own CLI against the server; returns each doc's repeats."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"prompt": "the quick brown", "answer": "fox"}) + "\n")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, data=data, extra=extra))
+    out = tmp_path / f"out-{name}"
+    model_args = f"model=tiny,base_url={base_url}/completions,tokenizer_backend=none,tokenized_requests=False"
+    done = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args, "--tasks", name,
+         "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (samples,) = out.rglob(f"samples_{name}_*.jsonl")
+    return [json.loads(line)["resps"][0] for line in samples.read_text().splitlines()]
+
+
+def unbalanced_repeats(texts: list[str], q: np.ndarray, tokenizer) -> dict[str, tuple[int, float]]:
+    """The one-token texts of ``texts`` (lm-eval's repeats) whose counts are not ⌊mq⌋ or ⌈mq⌉.
+
+    Only tokens whose text no other likely token shares are checked. Returns
+    ``{text: (count, m·q)}``, empty when the repeats are balanced like one lattice group.
+    """
+    m = len(texts)
+    decoded = {i: tokenizer.decode([i]) for i in np.flatnonzero(q > 1e-4)}
+    unique = {i: t for i, t in decoded.items() if list(decoded.values()).count(t) == 1}
+    return {
+        t: (texts.count(t), m * q[i])
+        for i, t in unique.items()
+        if texts.count(t) not in (np.floor(m * q[i]), np.ceil(m * q[i]))
+    }
+
+
+@dataclass(frozen=True)
+class LmEval:
+    """lm-eval's ``local-completions`` with 16 ``repeats`` of one doc (:func:`run_lm_eval`), and the
+    balance check of its repeats (:func:`unbalanced_repeats`)."""
+
+    run = staticmethod(run_lm_eval)
+    unbalanced = staticmethod(unbalanced_repeats)
+
+
+@pytest.fixture(scope="session")
+def lm_eval_repeats():
+    """:class:`LmEval` as a fixture."""
+    return LmEval()

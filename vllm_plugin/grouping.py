@@ -6,7 +6,8 @@ decided at admission by :func:`qmc_sampler.vllm_plugin.request_args.resolve`:
 
 1. **Explicit** (``qmc_group`` given): the caller names the group, its size
    ``qmc_n`` and usually the member (``qmc_index``); without an index, members
-   are numbered in order of arrival in this engine. The group seed is
+   are numbered in order of arrival in this engine. The children of an ``n > 1``
+   request with ``qmc_index = i`` are members i … i + n − 1 (in arrival order). The group seed is
    ``qmc_seed``, else the request's ``seed``, else derived from the group id (so
    members sent without a seed still share one group). Explicit groups are *not*
    salted by engine: member i is the same on every replica, which is what lets
@@ -25,19 +26,22 @@ decided at admission by :func:`qmc_sampler.vllm_plugin.request_args.resolve`:
 
 Seeds of request and auto groups. A user seed keeps its meaning: the same seed
 and prompt give the same group again (the auto-group seed hashes the user seed
-with the prompt and parameters). Without one, the seed is drawn from a
-counter-based hash of (engine seed, data-parallel rank, a per-engine group
-counter) — in the worker, so every tensor-parallel worker of one engine draws
-the same, and every new group gets a fresh one. Seeds of request and auto
+with the prompt and parameters). Without one, the group takes the *fresh seed*
+the front-end drew for the request that opened it (a counter-based hash of a
+random per-process salt: two servers started alike never coincide; every
+tensor-parallel worker of one engine sees the same). Requests built without one
+(tests, old callers) fall back to a hash of (engine seed, data-parallel rank, a
+per-engine counter). Seeds of request and auto
 groups are salted by the engine's data-parallel rank and (for auto groups) its
 engine seed, so two engines never build the same group and duplicate a
 member: children of one request split across data-parallel engines, or TRL
 ranks (each has its own engine seed), get distinct streams.
 
 Lifetime of auto groups. A group is *open* while any member is in the engine,
-and for ``ttl`` seconds after its last member left, measured on the front-end
-clock that stamps every request at admission (so every worker agrees): a
-repeat arriving while the group is open becomes its next member — never an
+and for ``ttl`` seconds after its last member left (the worker's wall clock when
+the last member left, compared with the front-end's arrival stamp of the next
+repeat; one machine's clock, or synchronised ones across nodes): a repeat
+arriving while the group is open becomes its next member — never an
 index that was already used, even by a finished member; a repeat after that
 starts the group again (with a user seed: the same group, members 0, 1, …;
 without: a fresh one). At most ``max_open_groups`` are kept; beyond that the
@@ -52,8 +56,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,11 +126,13 @@ class GroupResolver:
 
     Attributes:
         salt: this engine's identity; max_open_groups: bound on remembered auto
-            groups (and on arrival counters of the other kinds).
+            groups (and on arrival counters of the other kinds); clock: the wall
+            clock (seconds, comparable with the front-end's ``time.time()``).
     """
 
     salt: EngineSalt = field(default_factory=EngineSalt)
     max_open_groups: int = 4096
+    clock: Callable[[], float] = time.time
     stats: GroupStats = field(default_factory=GroupStats)
     _arrivals: OrderedDict[str, int] = field(default_factory=OrderedDict)
     _derived: OrderedDict[str, int] = field(default_factory=OrderedDict)
@@ -146,11 +153,18 @@ class GroupResolver:
         if request.kind == AUTO:
             return self._place_auto(request, key)
         seed = request.seed
-        if seed is None:
+        if seed is None and request.fresh_seed is not None:
+            seed = self._salted(request.fresh_seed)
+        elif seed is None:
             seed = self._derived_seed(request.group)
         elif request.kind != EXPLICIT:
             seed = self._salted(seed)
-        member = request.index if request.index is not None else self._next_arrival(request.group)
+        if request.index is None:
+            member = self._next_arrival(request.group)
+        elif request.children > 1:  # children of one n > 1 request: index, index + 1, …
+            member = request.index + self._next_arrival(f"{request.group}#{request.tag}")
+        else:
+            member = request.index
         spec = GroupSpec(request.method, request.n, seed, request.order)
         fresh = member >= request.n
         if fresh:
@@ -177,7 +191,7 @@ class GroupResolver:
         if group is not None and group.live > 0:
             group.live -= 1
             if group.live == 0:
-                group.idle_since = self._clock
+                group.idle_since = max(self._clock, self.clock())
 
     def open_auto_groups(self) -> int:
         """How many auto groups are remembered now."""
@@ -202,6 +216,8 @@ class GroupResolver:
     def _open_auto(self, key: Hashable, request: QMCRequest) -> _AutoGroup:
         if request.seed is not None:
             seed = stable_seed("auto", request.seed, key, self.salt.engine_seed, self.salt.dp_rank)
+        elif request.fresh_seed is not None:
+            seed = stable_seed("auto-fresh", request.fresh_seed, self.salt.dp_rank)
         else:
             seed = self._next_counter_seed()
         group = _AutoGroup(seed=seed)

@@ -23,10 +23,13 @@ The fix has two halves:
    semantics, tested against vLLM's own code).
 
 :func:`install` is registered as a ``vllm.general_plugins`` entry point, so
-vLLM runs it in every process it starts. It is version-checked: on a vLLM it
-was not written for it patches nothing and logs an error, and a processor in
-an engine whose ``logprobs_mode`` is processed then refuses to start (loud, not
-wrong numbers).
+vLLM runs it in every process it starts. It checks the *shape* of everything it
+patches (the samplers' signatures and the helpers it calls) before patching
+anything, on any vLLM version; if anything differs it patches nothing and logs
+an error. Engines still start and serve every request as without the package;
+only a request with a design under a processed ``logprobs_mode`` is refused at
+admission with a 400 naming the reason (:mod:`.request_args`) — loud, never
+wrong numbers.
 """
 
 from __future__ import annotations
@@ -39,13 +42,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROCESSED_MODES", "SUPPORTED_VLLM", "Capture", "install", "installed", "require_for"]
+__all__ = ["PROCESSED_MODES", "Capture", "install", "installed", "reason", "require_for"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
 PROCESSED_MODES = ("processed_logprobs", "processed_logits")
-#: vLLM versions whose samplers this module was written against (and tested on, for V1).
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 _V1_SIGNATURE = ["self", "logits", "sampling_metadata", "logprobs_mode_override"]
 _V2_SIGNATURE = [
     "self",
@@ -82,54 +83,78 @@ def installed() -> bool:
     return bool(_state["installed"])
 
 
-def require_for(logprobs_mode: str) -> None:
-    """Refuse an engine whose processed logprobs would be wrong.
+def reason() -> str:
+    """Why the wrap is not installed ("installed" once it is)."""
+    return str(_state["reason"])
 
-    Raises:
-        RuntimeError: ``logprobs_mode`` is processed and the wrap is not installed.
+
+def require_for(logprobs_mode: str) -> bool:
+    """Whether designed requests can get correct ``logprobs_mode`` logprobs in this process.
+
+    Installs the wrap if it is not yet; logs an error (once per engine) when it cannot.
+    Never raises: the engine must start for requests without a design.
     """
-    if logprobs_mode in PROCESSED_MODES and not installed():
-        install()
-    if logprobs_mode in PROCESSED_MODES and not installed():
-        raise RuntimeError(
-            f"qmc-sampler cannot return correct {logprobs_mode} on this vLLM ({_state['reason']}); "
-            f"use --logprobs-mode raw_logprobs, or vLLM {' / '.join(SUPPORTED_VLLM)}"
+    if logprobs_mode not in PROCESSED_MODES:
+        return True
+    install()
+    if not installed():
+        logger.error(
+            "qmc-sampler: this engine returns %s, which cannot be kept correct for designed requests (%s); "
+            "they are refused at admission, every other request is served as without the plugin",
+            logprobs_mode,
+            reason(),
         )
+    return installed()
 
 
 def install() -> None:
     """Wrap vLLM's samplers so processed logprobs stay the model's (idempotent; see module docstring)."""
     if _state["installed"]:
         return
-    import vllm
-
-    if vllm.__version__ not in SUPPORTED_VLLM:
-        _refuse(f"vLLM {vllm.__version__} is not one of {SUPPORTED_VLLM}")
+    targets, why = _patch_targets()
+    if targets is None:
+        _refuse(why)
         return
-    from vllm.v1.sample.sampler import Sampler as V1Sampler
-
-    if list(inspect.signature(V1Sampler.sample).parameters) != _V1_SIGNATURE:
-        _refuse("vllm.v1.sample.sampler.Sampler.sample has an unexpected signature")
-        return
-    V1Sampler.sample = _wrap_v1(V1Sampler.sample)
-    try:
-        from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
-    except ImportError:  # pragma: no cover - depends on the installed vLLM
-        V2Sampler = None
-    if V2Sampler is not None:
-        if list(inspect.signature(V2Sampler.sample).parameters) != _V2_SIGNATURE:
-            _refuse("vllm.v1.worker.gpu.sample.sampler.Sampler.sample has an unexpected signature")
-            return
-        V2Sampler.sample = _wrap_v2(V2Sampler.sample)
+    for sampler, wrap in targets:
+        if not getattr(sampler.sample, "_qmc_wrapped", False):  # never wrapped twice
+            wrapped = wrap(sampler.sample)
+            wrapped._qmc_wrapped = True  # type: ignore[attr-defined]
+            sampler.sample = wrapped
     _state.update(installed=True, reason="installed")
 
 
-def _refuse(reason: str) -> None:
-    _state["reason"] = reason
+def _patch_targets() -> tuple[list[tuple[Any, Any]] | None, str]:
+    """Every (class, wrapper) to patch, or None and why not: all checked before any is patched."""
+    try:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        from vllm.v1.sample.sampler import Sampler as V1Sampler
+    except ImportError as e:
+        return None, f"vLLM's V1 sampler cannot be imported ({e})"
+    if not callable(apply_top_k_top_p):
+        return None, "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p is not a function"
+    if _parameters(V1Sampler.sample) != _V1_SIGNATURE:
+        return None, "vllm.v1.sample.sampler.Sampler.sample has an unexpected signature"
+    targets = [(V1Sampler, _wrap_v1)]
+    try:  # Model Runner V2 ships with vLLM >= 0.32; absent elsewhere.
+        from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+    except ImportError:  # pragma: no cover - depends on the installed vLLM
+        return targets, ""
+    if _parameters(V2Sampler.sample) != _V2_SIGNATURE:
+        return None, "vllm.v1.worker.gpu.sample.sampler.Sampler.sample has an unexpected signature"
+    return [*targets, (V2Sampler, _wrap_v2)], ""
+
+
+def _parameters(function: Any) -> list[str]:
+    # A wrapped sample (ours, from an earlier install in this process) shows the original's.
+    return list(inspect.signature(function).parameters)
+
+
+def _refuse(why: str) -> None:
+    _state["reason"] = why
     logger.error(
-        "qmc-sampler: processed logprobs cannot be corrected (%s); engines with a processed logprobs_mode "
-        "will refuse to start with the plugin",
-        reason,
+        "qmc-sampler: processed logprobs cannot be corrected (%s); nothing was patched. Engines start and "
+        "serve as without the plugin; under a processed logprobs_mode, requests with a design are refused",
+        why,
     )
 
 

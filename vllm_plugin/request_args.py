@@ -10,7 +10,8 @@ qmc_method       design name (``qmc_sampler.METHODS``); ``iid`` = independent dr
 qmc_seed         group seed (int); default: the request's ``seed``
 qmc_order        vocabulary order, ``id`` (default) or ``sorted``
 qmc_group        group id (str/int) for callers that fan out n = 1 requests themselves
-qmc_index        this request's member index in ``[0, qmc_n)`` (needs ``qmc_group``)
+qmc_index        this request's member index in ``[0, qmc_n)`` (needs ``qmc_group``); with
+                 ``n > 1`` the children are members ``qmc_index … qmc_index + n − 1``
 qmc_n            group size (needs ``qmc_group``)
 qmc_auto_group   0: do not group this n = 1 request with its repeats (default 1)
 ================ ====================================================================
@@ -45,15 +46,23 @@ request does not give are derived in the worker (``grouping``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
+import itertools
 import logging
 import math
 import os
+import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from qmc_sampler.counter_rng import Purpose, counter_hash
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.processing import SAMPLING_EPS
@@ -67,8 +76,10 @@ __all__ = [
     "EXPLICIT",
     "KEYS",
     "REQUEST",
+    "EngineFacts",
     "QMCRequest",
     "check_extra_args",
+    "engine_facts",
     "read_request",
     "resolve",
 ]
@@ -103,6 +114,9 @@ class QMCRequest:
         index: the member index if the caller gave one.
         params_key: fingerprint of the sampling parameters (auto groups).
         arrival: front-end clock at admission (seconds); ttl: auto-group time-to-live.
+        fresh_seed: the seed for a new group when ``seed`` is None (drawn in the front-end).
+        children: the request's ``n`` (an explicit ``index`` is the first of ``children`` members).
+        tag: names the request, so its children can be numbered (explicit groups with an index).
     """
 
     kind: str
@@ -115,6 +129,40 @@ class QMCRequest:
     params_key: str = ""
     arrival: float = 0.0
     ttl: float = DEFAULT_GROUP_TTL
+    fresh_seed: int | None = None
+    children: int = 1
+    tag: str = ""
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What admission needs to know about the engine a request is for (see module docstring)."""
+
+    speculative: bool = False
+    logprobs_mode: str = "raw_logprobs"
+
+
+_ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
+
+
+@contextlib.contextmanager
+def engine_facts(facts: EngineFacts) -> Iterator[None]:
+    """Let :func:`resolve` calls inside this block know the engine they admit for."""
+    token = _ENGINE.set(facts)
+    try:
+        yield
+    finally:
+        _ENGINE.reset(token)
+
+
+_FRONT_END_SALT = secrets.randbits(64)  # this process's; never reused by another server
+_fresh_counter = itertools.count(1)
+
+
+def _fresh_seed() -> int:
+    """A new group seed for a request without one: counter-based, salted per process."""
+    h = counter_hash(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))
+    return int(h[0] >> np.uint64(1))
 
 
 def _is_int(value: Any) -> bool:
@@ -239,6 +287,9 @@ def resolve(params: Any) -> QMCRequest | None:
         method = env_method
     if method is None or params.temperature < SAMPLING_EPS:
         return None
+    facts = _ENGINE.get()
+    if facts is not None and not _engine_can_serve(facts, explicit_design="qmc_method" in extra):
+        return None
     if params.seed is not None:
         extra[_USER_SEED] = params.seed
         params.seed = None
@@ -252,12 +303,22 @@ def resolve(params: Any) -> QMCRequest | None:
             from qmc_sampler.vllm_plugin.grouping import stable_seed
 
             seed = stable_seed("qmc_group", str(explicit), method)
+        index, size = extra.get("qmc_index"), int(extra["qmc_n"])
+        if index is not None and index + params.n > size:
+            raise ValueError(
+                f"n={params.n} with vllm_xargs 'qmc_index'={index} asks for members {index}..{index + params.n - 1}, "
+                f"beyond the group's 'qmc_n'={size}: the children of an n > 1 request are members "
+                "qmc_index … qmc_index + n − 1"
+            )
         request = QMCRequest(
-            EXPLICIT, method, order, int(seed), int(extra["qmc_n"]), f"user:{explicit}:{method}:{seed}",
-            extra.get("qmc_index"),
+            EXPLICIT, method, order, int(seed), size, f"user:{explicit}:{method}:{seed}", index,
+            children=int(params.n), tag=uuid.uuid4().hex,
         )  # fmt: skip
     elif kind == REQUEST:
-        request = QMCRequest(REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}")
+        request = QMCRequest(
+            REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}",
+            fresh_seed=_fresh_seed() if seed is None else None,
+        )  # fmt: skip
     else:
         if not get_design(method).extensible:
             logger.warning(
@@ -267,14 +328,40 @@ def resolve(params: Any) -> QMCRequest | None:
             )
             method = "lattice"
         request = QMCRequest(
-            AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl()
-        )
+            AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl(),
+            fresh_seed=_fresh_seed() if seed is None else None,
+        )  # fmt: skip
     extra[_PRIVATE] = [
         request.kind, request.method, request.order, request.seed, request.n, request.group, request.index,
-        request.params_key, request.arrival, request.ttl,
+        request.params_key, request.arrival, request.ttl, request.fresh_seed, request.children, request.tag,
     ]  # fmt: skip
     params.extra_args = extra
     return request
+
+
+def _engine_can_serve(facts: EngineFacts, explicit_design: bool) -> bool:
+    """False: the drop-in stays off for this engine (logged at its start). Raises for a request
+    that asks for a design the engine cannot give it."""
+    if facts.speculative:
+        if explicit_design:
+            raise ValueError(
+                "vllm_xargs 'qmc_method': this engine runs speculative decoding, which does not run logits "
+                "processors, so correlated sampling is unavailable; drop 'qmc_method' or serve without "
+                "--speculative-config"
+            )
+        return False
+    from qmc_sampler.vllm_plugin import logprobs
+
+    if facts.logprobs_mode in logprobs.PROCESSED_MODES and not logprobs.installed():
+        logprobs.install()
+        if not logprobs.installed():
+            raise ValueError(
+                f"vllm_xargs 'qmc_method': this engine returns {facts.logprobs_mode}, which qmc-sampler cannot "
+                f"keep correct for designed requests on this vLLM ({logprobs.reason()}); use --logprobs-mode "
+                "raw_logprobs, or send requests without a design"
+                + ("" if explicit_design else " (unset QMC_SAMPLER, or send qmc_auto_group=0 with n=1)")
+            )
+    return True
 
 
 def read_request(extra_args: dict[str, Any] | None) -> QMCRequest | None:

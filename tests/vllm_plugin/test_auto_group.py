@@ -169,3 +169,22 @@ def test_one_request_at_a_time_of_one_token_each_still_forms_the_group(llm, hf_m
     params = SamplingParams(temperature=T, max_tokens=1, seed=1234)
     first = [generate(llm, [prompt], params)[0][0] for _ in range(16)]
     assert balanced(first, q_first(hf_model, prompt)), first
+
+
+def test_explicit_member_arguments_with_n_above_one_are_n_members_of_the_group(llm, hf_model):
+    prompt = [1, 90, 12]
+    q = q_first(hf_model, prompt)
+    for group in range(4):
+
+        def members(index, size, g=group):
+            extra = {"qmc_method": "lattice", "qmc_group": f"n8-{g}", "qmc_index": index, "qmc_n": size, "qmc_seed": g}
+            params = SamplingParams(n=8, temperature=T, max_tokens=6, extra_args=extra)
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            return [tuple(c.token_ids) for c in out.outputs]
+
+        first, second = members(0, 16), members(8, 16)
+        assert len(set(first)) == 8 and len(set(second)) == 8, (first, second)  # never one member n times
+        assert balanced([s[0] for s in first], q) and balanced([s[0] for s in first + second], q), group
+    with pytest.raises(Exception, match="beyond the group's 'qmc_n'=8"):  # vLLM's VLLMValidationError
+        extra = {"qmc_method": "lattice", "qmc_group": "n8-over", "qmc_index": 4, "qmc_n": 8}
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=8, temperature=T, extra_args=extra))

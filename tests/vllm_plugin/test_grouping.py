@@ -35,16 +35,44 @@ def test_other_prompts_params_or_seeds_are_other_groups():
     assert place(r, auto(t=1.0)).member == 1 and base.member == 0
 
 
+class Clock:
+    """The worker's wall clock, set by the test."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_an_open_group_never_reuses_an_index_and_an_expired_one_starts_again():
-    r = GroupResolver()
+    clock = Clock()
+    r = GroupResolver(clock=clock)
     first = [place(r, auto(seed=42, t=10.0)) for _ in range(3)]
+    clock.now = 12.0
     for p in first:
         r.joined(p)
-        r.left(p)  # all members finished; the group is idle from the clock's 10.0
-    assert place(r, auto(seed=42, t=15.0)).member == 3  # within the ttl: continue
+        r.left(p)  # all members finished at 12.0: the group is idle from then
+    assert place(r, auto(seed=42, t=21.0)).member == 3  # within the ttl of the last leave: continue
     again = place(r, auto(seed=42, t=30.0))  # long after: the same group from the start
     assert again.member == 0 and again.spec.seed == first[0].spec.seed
     assert r.stats.auto_expired == 1
+
+
+def test_sequential_repeats_longer_than_the_ttl_stay_one_group():
+    # lm-eval with num_concurrent=1: each repeat arrives when the previous one finished,
+    # and every generation takes longer than the ttl.
+    clock = Clock()
+    r = GroupResolver(clock=clock)
+    members = []
+    for k in range(4):
+        t = 5.0 * k
+        p = place(r, auto(seed=1234, t=t, ttl=1.0))
+        r.joined(p)
+        clock.now = t + 4.5  # a 4.5 s generation, then it leaves
+        r.left(p)
+        members.append(p.member)
+    assert members == [0, 1, 2, 3] and r.stats.auto_expired == 0
 
 
 def test_a_group_with_live_members_does_not_expire():

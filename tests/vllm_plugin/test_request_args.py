@@ -134,3 +134,55 @@ def test_bad_environment_names_the_variable(monkeypatch, variable, value, messag
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=message):
         resolve(SamplingParams(n=1, extra_args={"qmc_method": "lattice"}))
+
+
+def test_unseeded_groups_get_a_fresh_seed_from_a_per_process_salt(monkeypatch):
+    from qmc_sampler.vllm_plugin import request_args
+
+    sp = SamplingParams(n=4, extra_args={"qmc_method": "lattice"})
+    first, second = resolve(sp), resolve(sp)
+    assert first.fresh_seed is not None and first.fresh_seed != second.fresh_seed
+    # Another server process started alike (same engine seed, same counter) has another salt.
+    monkeypatch.setattr(request_args, "_FRONT_END_SALT", request_args._FRONT_END_SALT ^ 1)
+    monkeypatch.setattr(request_args, "_fresh_counter", iter([1, 2]))
+    again = resolve(sp)
+    monkeypatch.setattr(request_args, "_FRONT_END_SALT", request_args._FRONT_END_SALT ^ 1)
+    monkeypatch.setattr(request_args, "_fresh_counter", iter([1, 2]))
+    assert resolve(sp).fresh_seed != again.fresh_seed
+    seeded = SamplingParams(n=4, seed=7, extra_args={"qmc_method": "lattice"})
+    assert resolve(seeded).fresh_seed is None  # a user seed is the group seed, reproducible
+
+
+def test_explicit_member_arguments_with_n_above_one_name_n_members():
+    sp = SamplingParams(n=8, extra_args={"qmc_method": "lattice", "qmc_group": "g", "qmc_index": 8, "qmc_n": 16})
+    request = resolve(sp)
+    assert (request.kind, request.index, request.children, request.n) == (EXPLICIT, 8, 8, 16)
+    too_many = SamplingParams(n=8, extra_args={"qmc_method": "lattice", "qmc_group": "g", "qmc_index": 4, "qmc_n": 8})
+    with pytest.raises(ValueError, match=r"members 4\.\.11, beyond the group's 'qmc_n'=8"):
+        resolve(too_many)
+
+
+def test_a_design_under_speculative_decoding_is_refused_and_the_drop_in_stays_off(monkeypatch):
+    from qmc_sampler.vllm_plugin.request_args import EngineFacts, engine_facts
+
+    monkeypatch.setenv("QMC_SAMPLER", "lattice")
+    with engine_facts(EngineFacts(speculative=True)):
+        with pytest.raises(ValueError, match="speculative decoding"):
+            resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"}))
+        drop_in = SamplingParams(n=4, seed=3)
+        assert resolve(drop_in) is None
+        assert drop_in.seed == 3  # left to vLLM untouched
+
+
+def test_a_design_under_an_uncorrectable_processed_logprobs_mode_is_refused(monkeypatch):
+    from qmc_sampler.vllm_plugin import logprobs
+    from qmc_sampler.vllm_plugin.request_args import EngineFacts, engine_facts
+
+    monkeypatch.setattr(logprobs, "_state", {"installed": False, "reason": "a faked reason"})
+    monkeypatch.setattr(logprobs, "install", lambda: None)
+    with engine_facts(EngineFacts(logprobs_mode="processed_logprobs")):
+        with pytest.raises(ValueError, match=r"processed_logprobs.*a faked reason"):
+            resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"}))
+        assert resolve(SamplingParams(n=4)) is None  # no design: served as without the plugin
+    with engine_facts(EngineFacts(logprobs_mode="raw_logprobs")):
+        assert resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"})) is not None

@@ -7,10 +7,9 @@ entry point already loads the processor). First-token probabilities for the
 balance checks come from transformers on the same weights, at temperature 1.5.
 """
 
-import json
 import os
-import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -23,14 +22,30 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, serve, tmp_path_factory):
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
+def vllm_server(model_dir, serve, log, **env):
+    """vLLM's own server with the drop-in, started as the README says (default engine seed)."""
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
                "--max-model-len", "256",
                "--logits-processors", "qmc_sampler.vllm_plugin:QMCLogitsProcessor"]  # fmt: skip
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice"}
-    with serve(command, tmp_path_factory.mktemp("vllm-server") / "server.log", env) as (_, url):
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice"} | env
+    return serve(command, log, env)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, serve, tmp_path_factory):
+    with vllm_server(tiny_model_dir, serve, tmp_path_factory.mktemp("vllm-server") / "server.log") as (_, url):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+SHORT_TTL = 0.25
+
+
+@pytest.fixture(scope="module")
+def second_server(tiny_model_dir, serve, tmp_path_factory):
+    """A second replica started exactly alike, but with a short auto-group ttl."""
+    log = tmp_path_factory.mktemp("vllm-server-2") / "server.log"
+    with vllm_server(tiny_model_dir, serve, log, QMC_SAMPLER_GROUP_TTL=str(SHORT_TTL)) as (_, url):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
@@ -118,66 +133,45 @@ def test_one_seed_on_every_request_over_http_gives_distinct_balanced_samples(ser
     assert balanced([o.token_ids[0] for o in outs], first_token_probs(hf_model, prompt))
 
 
-LM_EVAL_TASK = """
-task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{answer}}}}"
-repeats: 16
-generation_kwargs:
-  until: ["\\n\\n"]
-  max_gen_toks: 1
-  do_sample: true
-  temperature: 1.5
-{extra}metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-"""
-
-
-def run_lm_eval(base_url, tmp_path, name, extra=""):
-    """lm-evaluation-harness's own CLI against the server; returns each doc's repeats."""
-    data = tmp_path / "docs.jsonl"
-    data.write_text(json.dumps({"prompt": "the quick brown", "answer": "fox"}) + "\n")
-    tasks = tmp_path / "tasks"
-    tasks.mkdir(exist_ok=True)
-    (tasks / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, data=data, extra=extra))
-    out = tmp_path / f"out-{name}"
-    model_args = f"model=tiny,base_url={base_url}/completions,tokenizer_backend=none,tokenized_requests=False"
-    done = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args, "--tasks", name,
-         "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
-        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (samples,) = out.rglob(f"samples_{name}_*.jsonl")
-    return [json.loads(line)["resps"][0] for line in samples.read_text().splitlines()]
-
-
-def test_lm_eval_repeats_come_back_as_one_balanced_group(server, hf_model, tiny_model_dir, tmp_path, capsys):
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed")
+def test_lm_eval_repeats_come_back_as_one_balanced_group(server, hf_model, tiny_model_dir, tmp_path, lm_eval_repeats):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed")
     from transformers import AutoTokenizer
 
     base_url = str(server.base_url).rstrip("/")
-    (grouped,) = run_lm_eval(base_url, tmp_path, "qmc_repeats")
+    (grouped,) = lm_eval_repeats.run(base_url, tmp_path, "qmc_repeats")
     # The same task with the plugin off for its requests: plain vLLM with lm-eval's seed 1234 on all 16.
-    (plain,) = run_lm_eval(base_url, tmp_path, "qmc_repeats_off", "  vllm_xargs: {qmc_auto_group: 0}\n")
+    (plain,) = lm_eval_repeats.run(base_url, tmp_path, "qmc_repeats_off", "  vllm_xargs: {qmc_auto_group: 0}\n")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     q = first_token_probs(hf_model, tokenizer.encode("the quick brown"))
-    texts = {i: tokenizer.decode([i]) for i in np.flatnonzero(q > 1e-4)}
-    unique = {i: t for i, t in texts.items() if list(texts.values()).count(t) == 1}
-    counts = {t: grouped.count(t) for t in unique.values()}
-    with capsys.disabled():
-        print(f"\nlm-eval {lm_eval.__version__}, 16 repeats of one doc, seed 1234 on each:")
-        print("  with the plugin:", {t: c for t, c in counts.items() if c}, "expected 16q:",
-              {unique[i]: round(16 * q[i], 2) for i in unique if 16 * q[i] > 0.5})  # fmt: skip
-        print("  plugin off:     ", {t: plain.count(t) for t in set(plain)})
-    for i, text in unique.items():
-        assert grouped.count(text) in (np.floor(16 * q[i]), np.ceil(16 * q[i])), (text, grouped.count(text), 16 * q[i])
+    assert lm_eval_repeats.unbalanced(grouped, q, tokenizer) == {}, grouped
+    assert len(set(grouped)) > 4
     assert len(set(plain)) == 1  # without the plugin the 16 "samples" are one sample, 16 times
+
+
+def test_two_replicas_started_alike_never_build_the_same_unseeded_group(server, second_server):
+    # Both run vLLM's default engine seed (0); an unseeded group's seed is salted per server process.
+    def group(client):
+        response = client.completions.create(model="tiny", prompt="pack my box with", n=8, max_tokens=8,
+                                             temperature=1.5, extra_body={"return_token_ids": True})  # fmt: skip
+        return sorted(tuple(c.token_ids) for c in response.choices)
+
+    assert group(server) != group(second_server)
+
+
+def test_sequential_seeded_repeats_longer_than_the_ttl_are_distinct_balanced_members(second_server, hf_model):
+    # lm-eval with num_concurrent=1 on a shared server: each repeat is sent when the previous one
+    # finished, each generation outlasts the ttl, and other users' requests keep the engine stepping
+    # (so the finished member leaves the batch before the next repeat arrives). The ttl counts from
+    # when the last member left, so the repeats stay one group.
+    prompt = [1, 61, 9, 140]
+    outs = []
+    for k in range(4):
+        start = time.monotonic()
+        outs.append(second_server.completions.create(
+            model="tiny", prompt=prompt, max_tokens=200, temperature=T, seed=1234,
+            extra_body={"return_token_ids": True, "min_tokens": 200},
+        ).choices[0])  # fmt: skip
+        assert time.monotonic() - start > SHORT_TTL  # else this would not test what it says
+        second_server.completions.create(model="tiny", prompt=f"another user {k}", max_tokens=1)
+    assert len({tuple(o.token_ids) for o in outs}) == 4
+    assert balanced([o.token_ids[0] for o in outs], first_token_probs(hf_model, prompt))

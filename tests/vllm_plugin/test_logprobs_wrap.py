@@ -1,0 +1,85 @@
+"""The processed-logprobs wrap installs by the shape of what it patches, never by version string,
+and where it cannot install, only designed requests under a processed mode are refused.
+
+Each case runs in a fresh Python process (the wrap is process-wide state); the engine
+case builds ``vllm.LLM`` with its engine core and worker in that process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the faked vLLM is the one the engine runs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+
+pytestmark = pytest.mark.vllm
+
+
+def run_script(source: str, timeout: float = 300) -> dict:
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice():
+    result = run_script(
+        """
+        import json, vllm
+        vllm.__version__ = "0.33.1rc1.dev7+local"
+        from vllm.v1.sample.sampler import Sampler
+        from qmc_sampler.vllm_plugin import hooks, logprobs
+        original = Sampler.sample
+        logprobs.install()
+        wrapped = Sampler.sample
+        logprobs._state["installed"] = False  # as a second plugin load in the same process would find it
+        logprobs.install()
+        hooks.register(); hooks.register()
+        print(json.dumps({"installed": logprobs.installed(), "wrapped": wrapped is not original,
+                          "twice": Sampler.sample is not wrapped, "inner": Sampler.sample.__wrapped__ is original}))
+        """
+    )
+    assert result == {"installed": True, "wrapped": True, "twice": False, "inner": True}
+
+
+def test_a_changed_signature_patches_nothing_the_engine_starts_and_only_designed_requests_are_refused(
+    tiny_model_dir,
+):
+    result = run_script(
+        f"""
+        import json, math
+        from vllm.v1.worker.gpu.sample import sampler as v2
+        from vllm.v1.sample.sampler import Sampler as V1Sampler
+        original_v1 = V1Sampler.sample
+
+        def sample(self, logits, idx_mapping, *, return_logprobs=False, new_argument=None):  # a future vLLM
+            raise AssertionError("never called on the CPU")
+
+        v2.Sampler.sample = sample
+        from vllm import LLM, SamplingParams
+        from qmc_sampler.vllm_plugin import logprobs
+
+        llm = LLM(model={tiny_model_dir!r}, enforce_eager=True, dtype="float32", max_model_len=256,
+                  logprobs_mode="processed_logprobs")
+        prompt = [{{"prompt_token_ids": [1, 70, 122, 35]}}]
+        plain = llm.generate(prompt, SamplingParams(n=4, max_tokens=3, temperature=1.5, logprobs=1), use_tqdm=False)
+        values = [lp[t].logprob for c in plain[0].outputs for t, lp in zip(c.token_ids, c.logprobs)]
+        try:
+            llm.generate(prompt, SamplingParams(n=4, max_tokens=3, temperature=1.5, logprobs=1,
+                                                extra_args={{"qmc_method": "lattice"}}), use_tqdm=False)
+            refused = ""
+        except Exception as e:
+            refused = str(e)
+        print(json.dumps({{"installed": logprobs.installed(), "v1_untouched": V1Sampler.sample is original_v1,
+                          "plain_finite": all(math.isfinite(v) and v < 0 for v in values), "refused": refused}}))
+        """
+    )
+    assert not result["installed"] and result["v1_untouched"]  # checked everything before patching anything
+    assert result["plain_finite"]  # a request without a design: vLLM's own processed logprobs
+    assert "processed_logprobs" in result["refused"] and "unexpected signature" in result["refused"]
