@@ -302,3 +302,26 @@ class LmEval:
 def lm_eval_repeats():
     """:class:`LmEval` as a fixture."""
     return LmEval()
+
+
+def run_python(source: str, timeout: float = 300) -> dict:
+    """Run ``source`` in a fresh Python process with vLLM's engine in that process; return the JSON
+    object it prints last (for process-wide state such as patches and environment)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def run_script():
+    """:func:`run_python` as a fixture."""
+    return run_python

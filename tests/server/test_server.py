@@ -177,6 +177,7 @@ BAD = [
     ({"logprobs": 99}, "logprobs"),
     ({"sampler_offset": 4}, "sampler_group_size"),
     ({"sampler_offset": 4, "sampler_group_size": 8, "n": 8}, "sampler_group_size"),
+    ({"sampler_offset": 4, "sampler_group_size": 8}, "sampler_seed"),  # extending a group needs its seed
     ({"vllm_xargs": {"qmc_method": "lattic"}}, "vllm_xargs"),
     ({"vllm_xargs": {"qmc_index": 1}}, "vllm_xargs"),
     ({"vllm_xargs": {"nested": {"a": 1}}}, "vllm_xargs"),
@@ -316,3 +317,32 @@ def test_chat_template_options_shape_the_prompt_as_in_vllm(client):
     partial = [*user, {"role": "assistant", "content": "fox"}]
     closed = prompt_tokens(partial, add_generation_prompt=False)
     assert prompt_tokens(partial, add_generation_prompt=False, continue_final_message=True) < closed
+
+
+def test_lm_eval_repeats_are_one_balanced_group_as_on_vllms_server(base_url, hf_model, tiny_model_dir, tmp_path,
+                                                                    lm_eval_repeats):  # fmt: skip
+    # lm-eval sends each repeat as its own n = 1 request with seed 1234: the drop-in's auto group,
+    # members 0..15 (before, qmc-serve made every repeat member 0 of the group seeded 1234: 16 copies).
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed")
+    from transformers import AutoTokenizer
+
+    (grouped,) = lm_eval_repeats.run(f"{base_url}/v1", tmp_path, "qmc_serve_repeats")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([tokenizer.encode("the quick brown")])).logits[0, -1]
+    q = torch.softmax(logits.double() / 1.5, -1).numpy()
+    assert lm_eval_repeats.unbalanced(grouped, q, tokenizer) == {}, grouped
+    assert len(set(grouped)) > 4
+
+
+def test_seeded_n1_repeats_are_the_next_members_and_an_offset_needs_a_seed(client):
+    seeded = [
+        client.completions.create(model="tiny", prompt="pack my box", max_tokens=6, temperature=1.5, seed=77)
+        for _ in range(6)
+    ]
+    assert len({r.choices[0].text for r in seeded}) >= 3  # one text six times before
+    assert {r.model_extra["sampler_seed"] for r in seeded} == {77}
+    with pytest.raises(openai.BadRequestError, match="sampler_seed"):
+        client.completions.create(
+            model="tiny", prompt="pack my box", max_tokens=2, extra_body={"sampler_offset": 2, "sampler_group_size": 8}
+        )

@@ -1,16 +1,14 @@
-"""The processed-logprobs wrap installs by the shape of what it patches, never by version string,
-and where it cannot install, only designed requests under a processed mode are refused.
+"""Where the plugin cannot act, it says so and refuses only what it cannot serve.
 
-Each case runs in a fresh Python process (the wrap is process-wide state); the engine
-case builds ``vllm.LLM`` with its engine core and worker in that process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the faked vLLM is the one the engine runs.
+* The processed-logprobs wrap installs by the shape of what it patches, never by version
+  string; where it cannot install, only designed requests under a processed mode are refused.
+* Speculative decoding (vLLM then runs no logits processors): a request with ``qmc_method``
+  is refused, the drop-in stays off, and plain requests are served.
+
+Each case runs in a fresh Python process (the wrap is process-wide state) that builds
+``vllm.LLM`` with its engine core and worker in that process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a faked vLLM is the one the engine runs.
 """
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -19,16 +17,7 @@ pytest.importorskip("vllm", reason="vLLM not installed")
 pytestmark = pytest.mark.vllm
 
 
-def run_script(source: str, timeout: float = 300) -> dict:
-    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice():
+def test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice(run_script):
     result = run_script(
         """
         import json, vllm
@@ -49,7 +38,7 @@ def test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice():
 
 
 def test_a_changed_signature_patches_nothing_the_engine_starts_and_only_designed_requests_are_refused(
-    tiny_model_dir,
+    tiny_model_dir, run_script
 ):
     result = run_script(
         f"""
@@ -83,3 +72,27 @@ def test_a_changed_signature_patches_nothing_the_engine_starts_and_only_designed
     assert not result["installed"] and result["v1_untouched"]  # checked everything before patching anything
     assert result["plain_finite"]  # a request without a design: vLLM's own processed logprobs
     assert "processed_logprobs" in result["refused"] and "unexpected signature" in result["refused"]
+
+
+def test_speculative_decoding_refuses_a_design_and_keeps_the_drop_in_off(tiny_model_dir, run_script):
+    result = run_script(
+        f"""
+        import json, os
+        os.environ["QMC_SAMPLER"] = "lattice"
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={tiny_model_dir!r}, enforce_eager=True, dtype="float32", max_model_len=256,
+                  speculative_config={{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                      "prompt_lookup_min": 1}})
+        prompt = [{{"prompt_token_ids": [1, 70, 122, 35]}}]
+        drop_in = llm.generate(prompt, SamplingParams(n=4, max_tokens=4, temperature=1.5), use_tqdm=False)
+        try:
+            llm.generate(prompt, SamplingParams(n=4, max_tokens=4, temperature=1.5,
+                                                extra_args={{"qmc_method": "lattice"}}), use_tqdm=False)
+            refused = ""
+        except Exception as e:
+            refused = str(e)
+        print(json.dumps({{"served": len(drop_in[0].outputs), "refused": refused}}))
+        """
+    )
+    assert result["served"] == 4
+    assert "speculative decoding" in result["refused"] and "qmc_method" in result["refused"]
