@@ -84,8 +84,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import vllm._C  # noqa: F401  (registers vLLM's CPU ops, as its engine does)
+    # vLLM's CPU ops, loaded as its engine loads them: the kernel library built for this CPU
+    # (_C: AVX-512 + bf16, _C_AVX512, _C_AVX2); importing vllm._C directly dies with SIGILL elsewhere.
+    from vllm.platforms import current_platform
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    current_platform.import_kernels()
 
     from qmc_sampler.kernels import backend_for
 

@@ -14,6 +14,24 @@ import torch
 #: among its tests (Bonferroni) and states how.
 FAMILY_ALPHA = 1e-3
 
+#: What `.ci/run` requires (QMC_REQUIRE_INTEGRATIONS=1): without these, whole modules would
+#: skip at import and a green run would test nothing of vLLM, the evaluation or TRL.
+REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai")
+
+
+def pytest_configure(config):
+    import importlib.util
+    import os
+
+    if os.environ.get("QMC_REQUIRE_INTEGRATIONS") == "1":
+        missing = [name for name in REQUIRED_FOR_CI if importlib.util.find_spec(name) is None]
+        if missing:
+            raise pytest.UsageError(
+                f"QMC_REQUIRE_INTEGRATIONS=1 (set by .ci/run) but {missing} cannot be imported: their tests "
+                "would be skipped; install the project with `make test` (.venv with the cpu, eval, dev and "
+                "integrations extras)"
+            )
+
 
 @dataclass(frozen=True)
 class ToyModel:

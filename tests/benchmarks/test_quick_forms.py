@@ -1,0 +1,23 @@
+"""Every benchmark with a quick form runs it on this CPU (a crash, e.g. SIGILL from a kernel
+library built for another CPU, is a red test)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+
+pytestmark = pytest.mark.vllm
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "sampler_bench.py"), "--quick", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.strip().startswith("32 ")]
+    assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
