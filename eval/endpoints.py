@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from qmc_sampler.eval.generation import GroupJob, OnGroup, member_xargs
+from qmc_sampler.eval.generation import Completion, GroupJob, OnGroup, member_xargs
 
 __all__ = ["Endpoint", "EndpointBackend", "EndpointError"]
 
@@ -148,7 +148,7 @@ class EndpointBackend:
         import httpx
 
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # filled once, in group order
-        texts: list[dict[int, str]] = [{} for _ in jobs]
+        texts: list[dict[int, Completion]] = [{} for _ in jobs]
         for j, job in enumerate(jobs):
             for member in range(job.n):
                 queue.put_nowait((j, member))
@@ -185,7 +185,7 @@ class EndpointBackend:
             return "/v1/chat/completions", body | {"messages": job.messages}
         return "/v1/completions", body | {"prompt": job.prompt}
 
-    async def _member(self, http: Any, job: GroupJob, member: int) -> str:
+    async def _member(self, http: Any, job: GroupJob, member: int) -> Completion:
         import httpx
 
         last = "no attempt"
@@ -201,7 +201,8 @@ class EndpointBackend:
             else:
                 choice = response.json()["choices"][0] if response.status_code == 200 else None
                 if choice is not None and choice.get("finish_reason") in _COMPLETE:
-                    return choice["message"]["content"] if job.messages is not None else choice["text"]
+                    text = choice["message"]["content"] if job.messages is not None else choice["text"]
+                    return Completion(text, choice["finish_reason"])
                 if choice is not None:  # cut off (a replica shutting down aborts what it runs): not a sample
                     endpoint.down_until = time.monotonic() + 5.0
                     last = f"{endpoint.url}: member cut off (finish_reason {choice.get('finish_reason')!r})"

@@ -8,7 +8,7 @@ group therefore comes out the same from an in-process engine
 (:class:`InProcessBackend`) and from any number of OpenAI-compatible servers
 running the plugin (:mod:`qmc_sampler.eval.endpoints`).
 
-A backend calls ``on_group(job, texts)`` as soon as all n members of a group
+A backend calls ``on_group(job, completions)`` as soon as all n members of a group
 are done, so results are written and progress moves group by group.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GroupJob", "InProcessBackend", "OnGroup", "member_xargs"]
+__all__ = ["Completion", "GroupJob", "InProcessBackend", "OnGroup", "member_xargs"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,15 @@ class GroupJob:
         return f"qmc-eval:{sampler}:{problem}:{group}"
 
 
-OnGroup = Callable[[GroupJob, list[str]], None]
+@dataclass(frozen=True)
+class Completion:
+    """One member's finished sample: its text and vLLM's ``finish_reason`` (``stop`` or ``length``)."""
+
+    text: str
+    finish_reason: str | None
+
+
+OnGroup = Callable[[GroupJob, list[Completion]], None]
 
 
 def member_xargs(job: GroupJob, member: int) -> dict[str, Any]:
@@ -118,7 +126,7 @@ class InProcessBackend:
                         continue
                     _, group, member = output.request_id.rsplit("-", 2)
                     job, texts = open_groups[int(group)]
-                    texts[int(member)] = output.outputs[0].text
+                    texts[int(member)] = Completion(output.outputs[0].text, output.outputs[0].finish_reason)
                     in_flight -= 1
                     if len(texts) == job.n:
                         del open_groups[int(group)]

@@ -214,16 +214,17 @@ def samples_saved(curve: dict[int, float], target: float, n: int) -> float | Non
 
     The crossing k* — where the curve passes from below ``target`` to at or above
     it — is interpolated linearly in log k between the two estimated k around it
-    (qmc-math.md §4). A claim needs a real crossing: a target above zero, and a
-    curve that starts below it.
+    (qmc-math.md §4). A claim needs a real crossing: a target above zero, a curve
+    that starts below it, and k* < n (curves that meet only at k = n — both
+    saturated, say — show no saving, so no claim is made, not "0 % fewer").
 
     Args:
         curve: pass@k by k (the method's estimates); target: the value to reach;
             n: the budget the saving is measured against (k* ≤ n).
 
     Returns:
-        ``100·(1 − k*/n)``, or None: target ≤ 0, no crossing at k ≤ n, or the curve
-        is already at the target at its smallest k (nothing was measured below it).
+        ``100·(1 − k*/n)`` (> 0), or None: target ≤ 0, no crossing below k = n, or
+        the curve is already at the target at its smallest k (nothing was measured below it).
     """
     if not target > 0:
         return None
@@ -235,19 +236,26 @@ def samples_saved(curve: dict[int, float], target: float, n: int) -> float | Non
             k0, c0, c1 = ks[i - 1], curve[ks[i - 1]], curve[k]
             frac = (target - c0) / (c1 - c0)  # c0 < target <= c1, so c1 > c0
             k_star = float(np.exp(np.log(k0) + frac * (np.log(k) - np.log(k0))))
-            return 100.0 * (1.0 - k_star / n)
+            return 100.0 * (1.0 - k_star / n) if k_star < n * (1 - 1e-9) else None  # not rounding noise
     return None
 
 
 @dataclass(frozen=True)
 class SamplesSaved:
-    """A samples-saved figure with its bootstrap interval (percent fewer samples than ``k``)."""
+    """A samples-saved figure with its bootstrap interval (percent fewer samples than ``k``).
+
+    ``low``/``high`` are quantiles over the ``resamples - no_crossing`` replicates that
+    had a crossing; ``no_crossing`` replicates had none (no saving shown there), and are
+    reported beside the interval rather than counted as 0 %.
+    """
 
     k: int
     target: float
     value: float
     low: float
     high: float
+    resamples: int = 0
+    no_crossing: int = 0
 
 
 def bootstrap_samples_saved(
@@ -262,8 +270,8 @@ def bootstrap_samples_saved(
     """:func:`samples_saved` of a method against i.i.d.'s pass@k, with a bootstrap CI.
 
     Problems are resampled jointly for both samplers (they share problems), then
-    each sampler's groups within a problem; a replicate without a crossing counts
-    as no saving (0 %).
+    each sampler's groups within a problem; replicates without a crossing are
+    counted (:attr:`SamplesSaved.no_crossing`), not folded into the interval as 0 %.
 
     Args:
         method: per problem, the method's per-group estimator values by k.
@@ -293,8 +301,12 @@ def bootstrap_samples_saved(
     if point is None:
         return None
     rng = np.random.default_rng(seed)
-    boot = np.array([saved(rng.integers(0, p, size=p), rng) or 0.0 for _ in range(resamples)])
+    boot = [saved(rng.integers(0, p, size=p), rng) for _ in range(resamples)]
+    crossing = np.array([b for b in boot if b is not None])
     alpha = (1 - level) / 2
-    low, high = np.quantile(boot, [alpha, 1 - alpha])
+    low, high = np.quantile(crossing, [alpha, 1 - alpha]) if len(crossing) else (np.nan, np.nan)
     target = float(np.mean([b.mean() for b in baseline]))
-    return SamplesSaved(k=k, target=target, value=point, low=float(low), high=float(high))
+    return SamplesSaved(
+        k=k, target=target, value=point, low=float(low), high=float(high),
+        resamples=resamples, no_crossing=resamples - len(crossing),
+    )  # fmt: skip

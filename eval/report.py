@@ -145,6 +145,11 @@ def format_table(reports: list[SamplerReport]) -> str:
             if figure is None
             else f"; reaches i.i.d.'s pass@{r.n} with {figure.value:.0f}% fewer samples "
             f"[{figure.low:.0f}%, {figure.high:.0f}%]"
+            + (
+                f" ({figure.no_crossing} of {figure.resamples} bootstrap resamples showed no saving)"
+                if figure.no_crossing
+                else ""
+            )
         )
         if r.sampler != "iid" and figure is None and any(x.sampler == "iid" and x.n == r.n for x in reports):
             saved = f"; no samples-saved claim against i.i.d.'s pass@{r.n} (no crossing below k = {r.n})"
@@ -167,7 +172,8 @@ def as_json(reports: list[SamplerReport]) -> list[dict[str, Any]]:
             "union_bound": {str(k): b for k, b in r.bound.items()},
             "samples_saved_percent": r.saved_percent,
             "samples_saved": {
-                str(k): {"target": f.target, "percent": f.value, "ci_low": f.low, "ci_high": f.high}
+                str(k): {"target": f.target, "percent": f.value, "ci_low": f.low, "ci_high": f.high,
+                         "resamples": f.resamples, "resamples_without_saving": f.no_crossing}
                 for k, f in r.saved.items()
             },
         }

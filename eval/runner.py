@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qmc_sampler.eval.generation import GroupJob, InProcessBackend
+from qmc_sampler.eval.generation import Completion, GroupJob, InProcessBackend
 from qmc_sampler.eval.samples import append_group, read_samples
 from qmc_sampler.eval.tasks import Problem, Task, get_task
 
@@ -212,9 +212,9 @@ def run(
                 require_plugin(engine)
             backend = InProcessBackend(engine, config.max_members_in_flight)
 
-        def write(job: GroupJob, texts: list[str]) -> None:
+        def write(job: GroupJob, members: list[Completion]) -> None:
             sampler, problem_id, g = job.key
-            append_group(out / SAMPLES, _records(config, task, sampler, by_id[problem_id], g, job.seed, texts))
+            append_group(out / SAMPLES, _records(config, task, sampler, by_id[problem_id], g, job.seed, members))
             bar.update(1)
 
         backend.run(todo, write)
@@ -227,10 +227,11 @@ def shutdown_engine(llm: Any) -> None:
 
 
 def _records(
-    config: RunConfig, task: Task, sampler: str, problem: Problem, g: int, seed: int, texts: list[str]
+    config: RunConfig, task: Task, sampler: str, problem: Problem, g: int, seed: int, members: list[Completion]
 ) -> list[dict]:
     records = []
-    for member, text in enumerate(texts):
+    for member, completion in enumerate(members):
+        text = completion.text
         verdict = task.score(problem, text)
         records.append(
             {
@@ -242,6 +243,7 @@ def _records(
                 "member": member,
                 "n": config.n,
                 "text": text,
+                "finish_reason": completion.finish_reason,
                 "score": verdict.correct,
                 "failure": verdict.failure,
             }

@@ -127,16 +127,19 @@ def run_under_way(settings, endpoints, out):
     runner.join(timeout=600)
 
 
-def assert_every_group_once_as_on_one_replica(settings, out, url, tmp_path):
-    """Every member of every group written once, none lost, and the samples of a run on ``url`` alone."""
+def assert_every_group_once_and_complete(out):
+    """Every member of every group written once, none lost, each a whole sample (never cut off).
+
+    Texts are not compared with a one-replica run: a retried member runs in another batch,
+    and on some CPUs a row's logits depend on its batch, which the carry amplifies (the
+    member is still an exact draw, of other tokens).
+    """
     records = read_samples(out / "samples.jsonl")
     keys = [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
     assert len(keys) == len(set(keys)) == 2 * 12 * 8  # every group once, none lost, none duplicated
     groups = {k[:3] for k in keys}
     assert all(sorted(k[3] for k in keys if k[:3] == g) == list(range(8)) for g in groups)
-    reference = qmc_eval(*settings, "--endpoint", url, "--out", str(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert samples(out) == samples(tmp_path / "reference")  # no truncated text recorded as a sample
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}  # no truncated text recorded as a sample
 
 
 def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
@@ -149,7 +152,7 @@ def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     retried = int(result.stdout.split(" requests retried")[0].split()[-1])
     assert retried > 0  # the dead replica's requests went to the other one
-    assert_every_group_once_as_on_one_replica(settings, out, url_b, tmp_path)
+    assert_every_group_once_and_complete(out)
     assert json.loads((out / "run.json").read_text())["model"] == "tiny"
 
 
@@ -169,4 +172,4 @@ def test_a_replica_shut_down_mid_run_has_its_cut_off_members_retried(fleet, serv
             assert process_c.wait(timeout=60) == 0
     result = done["result"]
     assert result.returncode == 0, result.stderr[-2000:]
-    assert_every_group_once_as_on_one_replica(settings, out, url_b, tmp_path)
+    assert_every_group_once_and_complete(out)

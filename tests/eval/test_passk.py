@@ -184,7 +184,8 @@ def test_union_bound():
 
 def test_samples_saved_needs_a_target_above_zero_and_a_real_crossing():
     curve = {1: 0.2, 2: 0.4, 4: 0.6, 8: 0.8}
-    assert samples_saved(curve, 0.8, 8) == pytest.approx(0.0)
+    assert samples_saved(curve, 0.8, 8) is None  # reached only at k = n: no saving to claim (not "0 %")
+    assert samples_saved({1: 0.5, 2: 0.9, 4: 1.0}, 1.0, 4) is None  # both saturate at k = n
     assert samples_saved(curve, 0.5, 8) == pytest.approx(100 * (1 - 2**1.5 / 8))
     assert samples_saved(curve, 0.9, 8) is None  # never reached
     assert samples_saved({1: 0.0, 2: 0.0, 4: 0.0}, 0.0, 4) is None  # every sample failed: nothing to claim
@@ -198,6 +199,11 @@ def test_samples_saved_carries_a_bootstrap_interval():
     method = [{1: np.array([0.2]), 2: np.array([0.45]), 4: np.array([float(rng.random() < 0.9)])} for _ in iid]
     figure = bootstrap_samples_saved(method, iid, 4, resamples=500)
     assert figure is not None and figure.low <= figure.value <= figure.high
+    assert figure.resamples == 500 and 0 <= figure.no_crossing < 500
+    # A noisy method that often shows no saving: those replicates are counted, not read as 0 %.
+    coin = [{1: np.array([0.3]), 2: np.array([0.5]), 4: np.array([float(rng.random() < 0.55)])} for _ in iid]
+    noisy = bootstrap_samples_saved(coin, iid, 4, resamples=500)
+    assert noisy is not None and noisy.no_crossing > 0 and noisy.low > 0, noisy
     nothing = [{1: np.zeros(1), 2: np.zeros(1), 4: np.zeros(1)} for _ in range(4)]
     assert bootstrap_samples_saved(nothing, [np.zeros(1)] * 4, 4, resamples=100) is None
 

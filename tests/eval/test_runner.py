@@ -66,7 +66,9 @@ def test_every_sample_is_written_with_its_group_and_score(llm, tmp_path):
     records = read_samples(out / "samples.jsonl")
     assert len(records) == 2 * 3 * 2 * 4
     r = records[0]
-    assert set(r) == {"task", "problem", "sampler", "group", "group_seed", "member", "n", "text", "score", "failure"}
+    assert set(r) == {"task", "problem", "sampler", "group", "group_seed", "member", "n", "text", "finish_reason",
+                      "score", "failure"}  # fmt: skip
+    assert {rec["finish_reason"] for rec in records} <= {"stop", "length"}
     assert all((rec["failure"] is None) == rec["score"] for rec in records)
     assert r["group_seed"] == group_seed(0, "basic_arithmetic", r["problem"], r["group"])
     cells = correct_arrays(records)
