@@ -222,6 +222,11 @@ def _resolve_group(body: Any, settings: ServerSettings, temperature: float) -> G
         method = None
     offset = body.sampler_offset
     size = body.sampler_group_size if body.sampler_group_size is not None else offset + body.n
+    seed = next((s for s in (body.sampler_seed, xargs.get("qmc_seed"), body.seed) if s is not None), None)
+    if method is not None and body.n == 1 and offset == 0 and body.sampler_group_size is None:
+        # As `vllm serve` with the drop-in: repeats of a prompt form one auto group in the
+        # engine, a seeded repeat being its next member (never a copy of member 0).
+        return Group(method, seed, 0, 1, auto=True)
     if offset < 0:
         raise RequestError(f"sampler_offset={offset} must be >= 0", "sampler_offset")
     if offset > 0 and body.sampler_group_size is None:
@@ -232,7 +237,12 @@ def _resolve_group(body: Any, settings: ServerSettings, temperature: float) -> G
         raise RequestError(
             f"sampler_group_size={size} must be >= sampler_offset + n = {offset + body.n}", "sampler_group_size"
         )
-    seed = next((s for s in (body.sampler_seed, xargs.get("qmc_seed"), body.seed) if s is not None), None)
+    if offset > 0 and seed is None:
+        raise RequestError(
+            "sampler_offset extends an existing group, which needs its seed: send sampler_seed "
+            "(the sampler_seed of the response that started the group)",
+            "sampler_seed",
+        )
     return Group(method, seed if seed is not None else secrets.randbits(63), offset, size)
 
 
@@ -352,10 +362,7 @@ async def _serve(
         [{"prompt_token_ids": p} for p in prompts],
         body.n,
         sampling=sampling,
-        method=group.method,
-        group_seed=group.seed,
-        offset=group.offset,
-        group_size=group.size,
+        group=group,
         xargs=body.vllm_xargs,
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
     )

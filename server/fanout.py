@@ -4,7 +4,11 @@ Each choice is its own engine request with ``n = 1`` and explicit plugin
 arguments (``qmc_group``, ``qmc_index = offset + j``, ``qmc_n = group size``,
 ``qmc_seed``), so the group is correct whichever batches (or data-parallel
 engines) its members land in, and a group can be extended across calls
-(members offset..offset+n−1).
+(members offset..offset+n−1). A lone ``n = 1`` request (no offset, no group size)
+is sent with the design only and joins the auto group of its repeats in the
+engine, exactly as under ``vllm serve`` with the drop-in; with several
+data-parallel engines it is pinned to one by its prompt, so a prompt's repeats
+meet in one engine.
 
 Members are first all *added* to the engine (:func:`start_members`, where the
 engine validates them: token ids, structured-output grammars, …), so a bad
@@ -17,6 +21,7 @@ every member still in the engine.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ class Member:
     prompt_index: int
     request_id: str
     params: Any  # vllm.SamplingParams
+    auto: bool = False  # joins the auto group of its prompt's repeats
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,7 @@ def plan_members(
     n: int,
     *,
     sampling: dict[str, Any],
-    method: str | None,
-    group_seed: int,
-    offset: int,
-    group_size: int,
+    group: Any,
     xargs: dict[str, Any] | None,
     output_kind: Any,
 ) -> MemberPlan:
@@ -57,8 +60,8 @@ def plan_members(
 
     Args:
         sampling: ``SamplingParams`` keyword arguments shared by every member.
-        method: the design, or None for plain (greedy) sampling without a group.
-        group_seed: the seed of prompt 0's group (prompt p uses ``group_seed + p``).
+        group: the :class:`~qmc_sampler.server.responses.Group` (method None: greedy, no
+            group); prompt p's group has seed ``group.seed + p``.
     """
     from vllm import SamplingParams
 
@@ -67,19 +70,30 @@ def plan_members(
     for p in range(len(prompts)):
         for j in range(n):
             extra = dict(xargs or {})
-            if method is not None:
+            if group.method is not None and group.auto:
+                extra["qmc_method"] = group.method
+                if group.seed is not None:
+                    extra["qmc_seed"] = group.seed
+            elif group.method is not None:
                 extra.update(
                     {
-                        "qmc_method": method,
-                        "qmc_seed": group_seed + p,
+                        "qmc_method": group.method,
+                        "qmc_seed": group.seed + p,
                         "qmc_group": f"{base}-{p}",
-                        "qmc_index": offset + j,
-                        "qmc_n": group_size,
+                        "qmc_index": group.offset + j,
+                        "qmc_n": group.size,
                     }
                 )
             params = SamplingParams(n=1, output_kind=output_kind, extra_args=extra or None, **sampling)
-            members.append(Member(p * n + j, p, f"qmc-{base}-{p}-{j}", params))
+            auto = group.method is not None and group.auto
+            members.append(Member(p * n + j, p, f"qmc-{base}-{p}-{j}", params, auto))
     return MemberPlan(members, prompts)
+
+
+def _engine_for(prompt: Any, engines: int) -> int:
+    """The data-parallel rank an auto member is pinned to: a hash of its prompt's token ids."""
+    digest = hashlib.blake2b(repr(prompt).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % engines
 
 
 async def start_members(engine: Any, plan: MemberPlan) -> list[Any]:
@@ -90,10 +104,15 @@ async def start_members(engine: Any, plan: MemberPlan) -> list[Any]:
         subclasses); the members already added are aborted first.
     """
     queues: list[Any] = []
+    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    engines = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    if engines != int(getattr(parallel, "data_parallel_size_local", engines) or engines):
+        engines = 1  # ranks on other nodes: leave routing to vLLM (repeats may then form one group per engine)
     try:
         for member in plan.members:
             prompt = plan.prompts[member.prompt_index]
-            queues.append(await engine.add_request(member.request_id, prompt, member.params))
+            rank = _engine_for(prompt, engines) if member.auto and engines > 1 else None
+            queues.append(await engine.add_request(member.request_id, prompt, member.params, data_parallel_rank=rank))
     except BaseException:
         await abort_members(engine, queues)
         raise

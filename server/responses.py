@@ -20,12 +20,18 @@ __all__ = ["Group", "Meta", "final_response", "sse"]
 
 @dataclass(frozen=True)
 class Group:
-    """The group a request's choices belong to."""
+    """The group a request's choices belong to.
+
+    ``auto``: an n = 1 request that joins the auto group of its repeats in the engine
+    (the drop-in's meaning); its ``seed`` is the user's (None if none), which keys the
+    auto group, and ``offset``/``size`` are unused.
+    """
 
     method: str | None
-    seed: int
+    seed: int | None
     offset: int
     size: int
+    auto: bool = False
 
 
 @dataclass(frozen=True)
