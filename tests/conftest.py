@@ -333,7 +333,7 @@ def run_python(source: str, timeout: float = 300) -> dict:
 
     env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-P", "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

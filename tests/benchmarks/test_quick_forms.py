@@ -21,3 +21,15 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith("32 ")]
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
+
+
+def test_the_rollout_benchmark_quick_form_runs_both_paths():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "rollout_diversity.py"), "--quick"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("CPU: ")
+    for path in ("vllm (", "hf ("):
+        assert path in done.stdout, done.stdout
+    assert done.stdout.count("(lattice / i.i.d.)") == 2

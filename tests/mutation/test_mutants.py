@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # The installed package name → the source folder it is built from (setup.py's package_dir).
-PACKAGE_DIRS = {"": "qmc_sampler", "eval": "eval", "vllm_plugin": "vllm_plugin", "server": "server"}
+PACKAGE_DIRS = {"": "qmc_sampler", "eval": "eval", "vllm_plugin": "vllm_plugin", "server": "server", "hf": "hf"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Mutant:
     original: str
     mutated: str
     killers: tuple[str, ...]  # test node ids that must fail
+    engine: bool = False  # the killers run vLLM (marked `vllm`): select them too
 
 
 MUTANTS = [
@@ -129,6 +130,49 @@ MUTANTS = [
         "        return Placement(request.group, spec, member % request.n, False)",
         ("tests/vllm_plugin/test_registry.py::test_members_beyond_n_draw_their_own_fresh_streams",),
     ),
+    Mutant(
+        "the auto-group ttl counts from the last arrival, not from when the last member left",
+        "vllm_plugin/grouping.py",
+        "group.idle_since = max(self._clock, self.clock())",
+        "group.idle_since = self._clock",
+        ("tests/vllm_plugin/test_grouping.py::test_sequential_repeats_longer_than_the_ttl_stay_one_group",),
+    ),
+    Mutant(
+        "the children of an n > 1 request with qmc_index all take that one member",
+        "vllm_plugin/grouping.py",
+        'member = request.index + self._next_arrival(f"{request.group}#{request.tag}")',
+        "member = request.index",
+        (
+            "tests/vllm_plugin/test_grouping.py::"
+            "test_the_children_of_an_n_request_with_an_explicit_index_are_consecutive_members",
+        ),
+    ),
+    Mutant(
+        "unseeded groups seeded without the per-process salt (replicas started alike coincide)",
+        "vllm_plugin/request_args.py",
+        "h = counter_hash(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
+        "h = counter_hash(0, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
+        ("tests/vllm_plugin/test_request_args.py::test_unseeded_groups_get_a_fresh_seed_from_a_per_process_salt",),
+    ),
+    Mutant(
+        "a row left to the engine is read as a lost carry",
+        "vllm_plugin/registry.py",
+        "if engine_drew and accepted == state.step + 1:",
+        "if False:",
+        (
+            "tests/vllm_plugin/test_registry.py::"
+            "test_a_row_left_to_the_engine_is_counted_once_and_its_member_goes_on_fresh",
+        ),
+    ),
+    Mutant(
+        "the logprobs wrap gated on exact vLLM version strings again",
+        "vllm_plugin/logprobs.py",
+        "    targets = [(V1Sampler, _wrap_v1)]\n",
+        "    import vllm\n\n    if vllm.__version__ not in ('0.32.0', '0.33.0'):\n"
+        "        return None, 'unsupported version'\n    targets = [(V1Sampler, _wrap_v1)]\n",
+        ("tests/vllm_plugin/test_inactive_paths.py::test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice",),
+        engine=True,
+    ),
 ]
 
 
@@ -141,11 +185,12 @@ def pristine(tmp_path_factory) -> Path:
     return target
 
 
-def run_killers(package: Path, killers: tuple[str, ...]) -> subprocess.CompletedProcess:
+def run_killers(package: Path, killers: tuple[str, ...], engine: bool = False) -> subprocess.CompletedProcess:
     # -P: the repository (the working directory) must not come before the copy on sys.path.
     # The torch backend, so mutants of the Python processing are not bypassed by the C++ kernel.
     env = os.environ | {"PYTHONPATH": str(package), "QMC_SAMPLER_BACKEND": "torch"}
-    args = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not vllm", *killers]
+    marks = [] if engine else ["-m", "not vllm"]
+    args = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *marks, *killers]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -171,7 +216,7 @@ def test_the_suite_kills_the_mutant(pristine, tmp_path, mutant):
     text = source.read_text()
     assert text.count(mutant.original) == 1, f"{mutant.path} no longer has the line this mutant flips: update it"
     source.write_text(text.replace(mutant.original, mutant.mutated))
-    result = run_killers(package, mutant.killers)
+    result = run_killers(package, mutant.killers, mutant.engine)
     assert result.returncode == 1 and " failed" in result.stdout, (
         f"mutant {mutant.name!r} survived {mutant.killers} (exit {result.returncode}):\n{result.stdout[-3000:]}"
     )

@@ -104,6 +104,14 @@ def test_engines_are_salted_apart_but_explicit_groups_are_not():
     assert place(a, explicit).spec == place(b, explicit).spec == GroupSpec("lattice", 8, 5)
 
 
+def test_the_children_of_an_n_request_with_an_explicit_index_are_consecutive_members():
+    r = GroupResolver()
+    request = QMCRequest(EXPLICIT, "lattice", "id", 5, 16, "user:g", 8, children=8, tag="request-1")
+    assert [place(r, request).member for _ in range(8)] == list(range(8, 16))
+    again = QMCRequest(EXPLICIT, "lattice", "id", 5, 16, "user:g", 0, children=8, tag="request-2")
+    assert [place(r, again).member for _ in range(8)] == list(range(8))
+
+
 def test_overflow_is_counted_and_fresh():
     r = GroupResolver()
     request = QMCRequest(REQUEST, "iid", "id", 1, 2, "req:z")

@@ -162,3 +162,14 @@ def test_a_member_that_finished_after_one_draw_is_never_taken_by_a_new_request()
     reg.park(second, accepted=1, last_token=8)  # V1: the engine's list settles it
     assert second.state.step == 1 and second.pending is None
     assert admit(reg, identity=2) is not second
+
+
+def test_a_row_left_to_the_engine_is_counted_once_and_its_member_goes_on_fresh():
+    reg = MemberRegistry()
+    member = admit(reg)
+    accept(reg, member, token=7, accepted=1)
+    reg.leave_to_engine([member], "its logits are NaN or all -inf")
+    reg.sync(member, 2, 11)  # the engine chose token 11 itself
+    assert member.state.step == 2 and member.state.fresh
+    assert member.history == token_history([7, 11])  # still found again after a preemption
+    assert (reg.stats.unsampleable, reg.stats.lost) == (1, 0)
