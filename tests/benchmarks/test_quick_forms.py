@@ -33,3 +33,13 @@ def test_the_rollout_benchmark_quick_form_runs_both_paths():
     for path in ("vllm (", "hf ("):
         assert path in done.stdout, done.stdout
     assert done.stdout.count("(lattice / i.i.d.)") == 2
+
+
+def test_the_reproducibility_benchmark_quick_form_runs():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "reproducibility.py"), "--quick"], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("CPU: ")
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["iid"], ["lattice"])]
+    assert len(rows) == 2 and all(0.0 <= float(r[1]) <= 1.0 for r in rows), done.stdout
