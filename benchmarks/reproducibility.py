@@ -55,7 +55,13 @@ def main() -> None:
     llm, where = build_engine(resolve_model(args.model), args.dtype)
     print(f"{describe_cpu()}; {where}", flush=True)
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template(pr.messages, add_generation_prompt=True) for pr in problems]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(pr.messages, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for pr in problems
+    ]
 
     def member(design: str, problem: int, index: int) -> tuple[dict, SamplingParams]:
         extra = {"qmc_method": design, "qmc_seed": 1000 + problem, "qmc_group": f"repro-{design}-{problem}",
