@@ -22,7 +22,7 @@ SETTINGS = {
     "hf-default-top-k-50": {"temperature": T},
     "top-p-and-min-p": {"temperature": T, "top_k": 0, "top_p": 0.9, "min_p": 0.05},
 }
-TESTS = 2 * G + 2 * G + G  # two settings, the left-padded batch (two prompts), the two-token test
+TESTS = 2 * G + 2 * G + 2 * G  # two settings, the left-padded batch (two prompts), the two-token tests
 ALPHA = 1e-3 / TESTS
 
 
@@ -46,15 +46,16 @@ def hf_probs(model, inputs, **settings) -> np.ndarray:
 
 
 def generate_groups(model, inputs, generator, groups, new_tokens=1, g=G, **settings):
-    """``groups`` calls of ``generate`` with ``num_return_sequences=g``: ``[groups, rows, new_tokens]``."""
+    """``groups`` calls of ``generate`` with ``num_return_sequences=g``: ``[groups, rows, new_tokens]``
+    (rows that end early are padded with 0)."""
     width = inputs["input_ids"].shape[1]
     out = []
     for _ in range(groups):
         with torch.no_grad():
             seq = model.generate(**inputs, do_sample=True, num_return_sequences=g, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, pad_token_id=0, custom_generate=generator,
-                                 **settings)  # fmt: skip
-        out.append(seq[:, width:].numpy())
+                                 pad_token_id=0, custom_generate=generator, **settings)  # fmt: skip
+        rows = seq[:, width:].numpy()
+        out.append(np.pad(rows, ((0, 0), (0, new_tokens - rows.shape[1]))))  # all rows ended at once
     return np.stack(out)
 
 
@@ -99,14 +100,22 @@ def test_a_left_padded_batch_of_different_prompts_is_one_group_per_prompt(hf_mod
             assert chi_square_p(rows[:, member], q[p]) > ALPHA, (p, member)
 
 
-def test_the_carry_keeps_the_second_token_exact(hf_model, tokenizer):
+@pytest.mark.parametrize("eos", [False, True], ids=["no-eos", "eos-mid-group"])
+def test_the_carry_keeps_the_second_token_exact(hf_model, tokenizer, eos):
+    # With eos: the likeliest first token ends a member, whose second position is then padding,
+    # while the other members of the same group draw their second token on.
     inputs = inputs_for(tokenizer, ["the quick brown"])
     q1 = hf_probs(hf_model, inputs, temperature=T)[0]
-    pairs = generate_groups(hf_model, inputs, QMCGenerate("lattice", seed=3), GROUPS, new_tokens=2, temperature=T)
+    eos_ids = {int(hf_model.generation_config.eos_token_id)} | ({int(np.argmax(q1))} if eos else set())
+    pairs = generate_groups(hf_model, inputs, QMCGenerate("lattice", seed=3), GROUPS, new_tokens=2, temperature=T,
+                            eos_token_id=sorted(eos_ids))  # fmt: skip
     firsts = sorted(set(pairs[:, :, 0].ravel().tolist()))
     vocab = len(q1)
     joint = np.zeros(vocab * vocab)
     for a in firsts:  # q(a, b) = q1(a) · q2(b | a), q2 from transformers on the prompt + a
+        if a in eos_ids:
+            joint[a * vocab + 0] = q1[a]  # a finished row is padded (pad_token_id=0)
+            continue
         extended = {k: torch.cat([v, torch.tensor([[a if k == "input_ids" else 1]])], 1) for k, v in inputs.items()}
         joint[a * vocab : (a + 1) * vocab] = q1[a] * hf_probs(hf_model, extended, temperature=T)[0]
     assert joint.sum() > 0.99  # first tokens never drawn by any member carry almost no mass
