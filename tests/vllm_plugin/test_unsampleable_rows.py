@@ -11,6 +11,7 @@ next 20 requests, designed or not.
 
 import os
 import sys
+import time
 
 import httpx
 import pytest
@@ -65,7 +66,8 @@ def server(request, nan_model, serve, tmp_path_factory):
     """Each server in turn on the NaN model; yields (kind, base url, log path)."""
     command = vllm_server_command if request.param == "vllm" else qmc_serve_command
     log = tmp_path_factory.mktemp(f"unsampleable-{request.param}") / "server.log"
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice"}
+    # Unbuffered: the engine process's warnings must reach the log file when they happen.
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice", "PYTHONUNBUFFERED": "1"}
     with serve(command(nan_model[0]), log, env) as (process, url):
         yield request.param, url, log, process
 
@@ -86,6 +88,17 @@ def assert_serves_20_more(url, process):
 WARNING = "its logits are NaN or all -inf"
 
 
+def warned_more_than(log, before: int, timeout: float = 20.0) -> bool:
+    """Whether the plugin's warning appears more than ``before`` times in ``log`` within ``timeout`` s
+    (another process writes it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.read_text().count(WARNING) > before:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_a_request_that_masks_every_token_is_answered_and_the_server_lives_on(server, masked):
     kind, url, log, process = server
     allowed, bad = masked
@@ -94,7 +107,7 @@ def test_a_request_that_masks_every_token_is_answered_and_the_server_lives_on(se
     warned = log.read_text().count(WARNING)
     designed = complete(url, **body, n=4, vllm_xargs={"qmc_method": "iid"})
     assert designed.status_code == 200 or 400 <= designed.status_code < 500, designed.text
-    assert log.read_text().count(WARNING) > warned  # the rows were reached, and left to the engine
+    assert warned_more_than(log, warned)  # the rows were reached, and left to the engine
     if kind == "vllm":  # the same request without a design (qmc_auto_group=0 keeps the drop-in off)
         plain = complete(url, **body, vllm_xargs={"qmc_auto_group": 0})
         assert plain.status_code == designed.status_code, (plain.text, designed.text)
@@ -107,5 +120,5 @@ def test_a_prompt_with_nan_logits_is_answered_and_the_server_lives_on(server):
     response = complete(url, prompt=f"how vexingly quick daft {POISON_WORD} jump", n=4, max_tokens=4,
                         temperature=1.5, vllm_xargs={"qmc_method": "lattice"})  # fmt: skip
     assert response.status_code == 200 or 400 <= response.status_code < 500, response.text
-    assert log.read_text().count(WARNING) > warned
+    assert warned_more_than(log, warned)
     assert_serves_20_more(url, process)
