@@ -66,8 +66,10 @@ def server(request, nan_model, serve, tmp_path_factory):
     """Each server in turn on the NaN model; yields (kind, base url, log path)."""
     command = vllm_server_command if request.param == "vllm" else qmc_serve_command
     log = tmp_path_factory.mktemp(f"unsampleable-{request.param}") / "server.log"
-    # Unbuffered: the engine process's warnings must reach the log file when they happen.
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice", "PYTHONUNBUFFERED": "1"}
+    # The test reads the plugin's warning from the log: unbuffered, and at vLLM's INFO level (importing
+    # TRL earlier in the session sets VLLM_LOGGING_LEVEL=ERROR in this process's environment).
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice", "PYTHONUNBUFFERED": "1",
+                        "VLLM_LOGGING_LEVEL": "INFO"}  # fmt: skip
     with serve(command(nan_model[0]), log, env) as (process, url):
         yield request.param, url, log, process
 
