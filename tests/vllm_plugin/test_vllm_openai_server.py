@@ -38,7 +38,7 @@ def server(tiny_model_dir, serve, tmp_path_factory):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-SHORT_TTL = 0.25
+SHORT_TTL = 0.4
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +168,8 @@ def test_sequential_seeded_repeats_longer_than_the_ttl_are_distinct_balanced_mem
     for k in range(4):
         start = time.monotonic()
         outs.append(second_server.completions.create(
-            model="tiny", prompt=prompt, max_tokens=200, temperature=T, seed=1234,
-            extra_body={"return_token_ids": True, "min_tokens": 200},
+            model="tiny", prompt=prompt, max_tokens=250, temperature=T, seed=1234,
+            extra_body={"return_token_ids": True, "min_tokens": 250},
         ).choices[0])  # fmt: skip
         assert time.monotonic() - start > SHORT_TTL  # else this would not test what it says
         second_server.completions.create(model="tiny", prompt=f"another user {k}", max_tokens=1)
