@@ -94,7 +94,7 @@ class QMCForcer:
             ``scores`` with every entry but the drawn token of each drawable row set to ``-inf``.
         """
         first_step = self._members is None
-        if self._members is None:
+        if first_step:
             self._members = self._place(input_ids)
         drawable = torch.isfinite(scores.amax(dim=-1))
         rows = torch.nonzero(drawable).squeeze(1).tolist()
