@@ -9,7 +9,9 @@
 //   3. weights w_j = exp((x_j - m)/T) for kept tokens (float, vectorised polynomial exp),
 //      summed per block of BLOCK tokens;
 //   4. top-p (if p < 1): over the kept tokens in ascending (logit, id) order, drop
-//      those whose cumulative probability is <= 1 - p, keeping the largest (vLLM);
+//      those whose cumulative probability is <= 1 - p, keeping the largest (vLLM). No
+//      sort: on the dense row a pivot search finds the cut (top_p_in_place); after top-k,
+//      the <= k kept tokens are ordered by a partial sort (apply_top_p);
 //   5. the CDF walk in the chosen order: the first token whose cumulative weight
 //      exceeds u * total; in token-id order whole blocks are skipped by their sums.
 // A row with NaN or no finite logit gets token -1 (the Python caller raises ValueError).
@@ -26,6 +28,10 @@
 #include <limits>
 #include <numeric>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -107,6 +113,177 @@ void apply_top_p(const float* x, std::vector<int64_t>& idx, std::vector<float>& 
   wt.resize(out);
 }
 
+// Writes the (x, w) pairs of the candidates (w > 0, lo < x <= hi) to the front of ox/ow
+// (each of size >= n + 8) and returns their count. With AVX2, eight lanes at a time: the
+// compare mask picks a permutation that packs the selected lanes first.
+int64_t compact_candidates(const float* px, const float* pw, int64_t n, float lo, float hi, float* ox, float* ow) {
+  int64_t k = 0, j = 0;
+#if defined(__AVX2__)
+  static const auto pack = [] {
+    std::vector<int32_t> table(256 * 8, 0);
+    for (int mask = 0; mask < 256; ++mask) {
+      int out = 0;
+      for (int lane = 0; lane < 8; ++lane)
+        if (mask >> lane & 1) table[mask * 8 + out++] = lane;
+    }
+    return table;
+  }();
+  const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), zero = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 xv = _mm256_loadu_ps(px + j), wv = _mm256_loadu_ps(pw + j);
+    const __m256 c = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(wv, zero, _CMP_GT_OQ), _mm256_cmp_ps(xv, vlo, _CMP_GT_OQ)),
+                                   _mm256_cmp_ps(xv, vhi, _CMP_LE_OQ));
+    const int mask = _mm256_movemask_ps(c);
+    if (mask == 0) continue;
+    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack.data() + mask * 8));
+    _mm256_storeu_ps(ox + k, _mm256_permutevar8x32_ps(xv, perm));
+    _mm256_storeu_ps(ow + k, _mm256_permutevar8x32_ps(wv, perm));
+    k += __builtin_popcount(mask);
+  }
+#endif
+  for (; j < n; ++j) {
+    const float xj = px[j], wj = pw[j];
+    ox[k] = xj;
+    ow[k] = wj;
+    k += (wj > 0.0f) & (xj > lo) & (xj <= hi);
+  }
+  return k;
+}
+
+// vLLM's top-p over the dense weights without sorting: find the cut (x*, id*) such
+// that the kept set {x > x*} ∪ {x == x*, id >= id*} is exactly the descending (logit, id)
+// prefix whose mass strictly above each member is < p * total. x* is the largest logit
+// value with mass(x >= x*) >= p * total, found by a pivot search with exact termination
+// (as vLLM's pivot-based GPU top-k/top-p): at a pivot θ with A = mass(x > θ) >= target,
+// the smallest logit above θ is x* when A minus that logit's own mass is < target. Each
+// step is one vectorised pass (masked sum, min, max, count) over the current candidates,
+// which are compacted once few enough. Then the kept weights replace w (others become 0).
+// Block sums are recomputed over the kept weights. Returns the kept mass.
+double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std::vector<double>& block_sum,
+                      double total, float top_p, float x_min, float x_max, std::vector<float>& cx,
+                      std::vector<float>& cw) {
+  const double target = static_cast<double>(top_p) * total;
+  constexpr float POS_INF = std::numeric_limits<float>::infinity();
+  // Invariant: mass(x > lo) >= target > mass(x > hi), so lo < x* <= hi. Candidates: tokens
+  // of positive weight with lo < x <= hi, their logits within [cmin, cmax], at most n_cand
+  // of them; base = mass(x > hi). The caller's x_min is a lower bound of the smallest.
+  float lo = NEG_INF, hi = POS_INF, cmin = x_min, cmax = x_max;
+  double base = 0.0;
+  const float* px = x;
+  const float* pw = w.data();
+  int64_t n = vocab, n_cand = vocab;
+  float x_star = NEG_INF;
+  double above_star = 0.0;  // mass(x > x*)
+  int32_t ties = 0;         // tokens at x*
+  while (true) {
+    if (n_cand * 4 <= n) {
+      // Candidates are a small part of the array: compact them (in place once in cx; the
+      // packing never writes past what it has read).
+      if (px == x) {
+        cx.resize(vocab + 8);
+        cw.resize(vocab + 8);
+      }
+      n = compact_candidates(px, pw, n, lo, hi, cx.data(), cw.data());
+      px = cx.data();
+      pw = cw.data();
+      n_cand = n;
+    }
+    // Pivot θ with cmin <= θ < cmax splits the candidates (bisection on the logit value);
+    // θ = lo when one value is left (x* is that value, and the check below ends the search).
+    float theta = lo;
+    if (cmin != cmax) {
+      theta = cmin * 0.5f + cmax * 0.5f;
+      if (!(theta < cmax) || !(theta >= cmin)) theta = cmin;
+    }
+    // One pass: mass above θ, the smallest logit above θ, the largest at or below it, and
+    // the count above. Values loaded once, float sums per block and select-then-min/max:
+    // GCC vectorises this form (a double or conditional reduction ran ~15x slower).
+    double a = base;
+    float ml = POS_INF, mb = NEG_INF, wl = POS_INF;  // wl: the weight at ml (w grows with x)
+    int32_t n_above = 0;
+    for (int64_t begin = 0; begin < n; begin += BLOCK) {
+      const int64_t end = std::min(n, begin + BLOCK);
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s, n_above) reduction(min : ml, wl) reduction(max : mb)
+      for (int64_t j = begin; j < end; ++j) {
+        const float xj = px[j], wj = pw[j];
+        const bool c = (wj > 0.0f) & (xj > lo) & (xj <= hi);
+        const bool up = c & (xj > theta);
+        s += up ? wj : 0.0f;
+        ml = std::min(ml, up ? xj : POS_INF);
+        wl = std::min(wl, up ? wj : POS_INF);
+        mb = std::max(mb, (c & !up) ? xj : NEG_INF);
+        n_above += up ? 1 : 0;
+      }
+      a += s;
+    }
+    if (a >= target) {
+      // Done if the smallest logit above θ is the cut: the mass above it is < target. Its
+      // tokens weigh wl each and are at most n_above: when even that bound leaves the mass
+      // above them >= target, no counting pass is needed. (Were the float exp not monotone,
+      // a bound too small would only postpone the end to a later step: never a wrong cut.)
+      double m_mass = static_cast<double>(wl) * n_above;
+      int32_t m_count = n_above;
+      if (n_above > 1 && a - m_mass < target) {
+        m_mass = 0.0;
+        m_count = 0;
+        for (int64_t begin = 0; begin < n; begin += BLOCK) {
+          const int64_t end = std::min(n, begin + BLOCK);
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s, m_count)
+          for (int64_t j = begin; j < end; ++j) {
+            const float xj = px[j], wj = pw[j];
+            const bool at = (wj > 0.0f) & (xj == ml);
+            s += at ? wj : 0.0f;
+            m_count += at ? 1 : 0;
+          }
+          m_mass += s;
+        }
+      }
+      if (a - m_mass < target) {
+        x_star = ml;
+        above_star = a - m_mass;
+        ties = m_count;
+        break;
+      }
+      lo = theta;
+      cmin = ml;
+      n_cand = n_above;
+    } else {
+      base = a;
+      hi = theta;
+      cmax = mb;
+      n_cand -= n_above;
+    }
+  }
+  // Ties at x*: the larger ids sit above (vLLM's ascending sort, stable here) and are kept
+  // while the mass above them is < target.
+  int64_t id_cut = 0;
+  double tie_above = above_star;
+  if (ties > 1) {
+    for (int64_t j = vocab - 1; j >= 0; --j) {
+      if (!(w[j] > 0.0f) || x[j] != x_star) continue;
+      if (tie_above >= target) break;
+      tie_above += w[j];
+      id_cut = j;
+    }
+  }
+  double kept = 0.0;
+  for (size_t b = 0; b < block_sum.size(); ++b) {
+    const int64_t begin = static_cast<int64_t>(b) * BLOCK, end = std::min(vocab, begin + BLOCK);
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = begin; j < end; ++j) {
+      const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
+      w[j] = keep ? w[j] : 0.0f;
+      s += w[j];
+    }
+    block_sum[b] = s;
+    kept += s;
+  }
+  return kept;
+}
+
 RowResult walk(const std::vector<int64_t>& idx, const std::vector<float>& wt, double u, bool sorted_order) {
   double total = 0.0;
   for (float v : wt) total += v;
@@ -127,14 +304,17 @@ RowResult walk(const std::vector<int64_t>& idx, const std::vector<float>& wt, do
 
 RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
                      double u, bool sorted_order, std::vector<float>& w, std::vector<double>& block_sum,
-                     std::vector<int64_t>& idx, std::vector<float>& wt) {
+                     std::vector<int64_t>& idx, std::vector<float>& wt, std::vector<float>& cx,
+                     std::vector<float>& cw) {
   const float inv_t = 1.0f / temperature;
-  float m = NEG_INF;
+  float m = NEG_INF, x_min = std::numeric_limits<float>::infinity();
   int32_t nans = 0;
-#pragma omp simd reduction(max : m) reduction(+ : nans)
+#pragma omp simd reduction(max : m) reduction(min : x_min) reduction(+ : nans)
   for (int64_t j = 0; j < vocab; ++j) {
-    m = x[j] > m ? x[j] : m;
-    nans += x[j] != x[j];
+    const float xj = x[j];
+    m = xj > m ? xj : m;
+    x_min = xj < x_min ? xj : x_min;
+    nans += xj != xj;
   }
   if (nans || !(m > NEG_INF)) return {-1, 0.0, 0.0};  // caller raises
   const float min_p_cut = min_p > 0.0f ? m + temperature * std::log(min_p) : -std::numeric_limits<float>::max();
@@ -202,8 +382,12 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     block_sum[b] = s;
     total += s;
   }
-  if (top_p < 1.0f || sorted_order) {
-    // Top-p and sorted order need an explicit kept list.
+  if (top_p < 1.0f) {
+    // Tokens of positive weight lie above all three bounds (z > -87: see exp_nonpositive).
+    const float lowest = std::max({x_min, min_p_cut, m - 87.0f * temperature});
+    total = top_p_in_place(x, vocab, w, block_sum, total, top_p, lowest, m, cx, cw);
+  }
+  if (sorted_order) {
     idx.clear();
     wt.clear();
     for (int64_t j = 0; j < vocab; ++j)
@@ -211,8 +395,7 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
         idx.push_back(j);
         wt.push_back(w[j]);
       }
-    apply_top_p(x, idx, wt, total, top_p);
-    return walk(idx, wt, u, sorted_order);
+    return walk(idx, wt, u, true);
   }
   // Token-id order over the dense row: skip whole blocks by their sums.
   const double target = u * total;
@@ -261,12 +444,12 @@ std::vector<torch::Tensor> fused_inverse_cdf(const torch::Tensor& logits, const 
   double* st = starts.data_ptr<double>();
   double* pr = probs.data_ptr<double>();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(vocab), wt;
+    std::vector<float> w(vocab), wt, cx, cw;
     std::vector<double> block_sum;
     std::vector<int64_t> idx;
     for (int64_t r = begin; r < end; ++r) {
       const RowResult res = sample_row(xp + r * vocab, vocab, tp[r], kp[r], pp[r], mpp[r], up[r], sorted_order, w,
-                                       block_sum, idx, wt);
+                                       block_sum, idx, wt, cx, cw);
       tok[r] = res.token;
       st[r] = res.start;
       pr[r] = res.prob;

@@ -49,6 +49,14 @@ def test_cpp_kernel_agrees_with_the_torch_reference(temperature, top_k, top_p, m
         torch.full((batch,), top_p),
         torch.full((batch,), min_p),
     )
+    assert_agrees_with_reference(logits, u, args, order)
+
+
+def assert_agrees_with_reference(logits, u, args, order, min_same=0.9):
+    """The kernel's token is the reference's (or u is within EDGE_TOLERANCE of an edge), and
+    its interval start and width equal the reference's: any difference in the kept set
+    (a token more or less in top-p) changes every width through the normaliser."""
+    batch = logits.shape[0]
     ref = inverse_cdf(process_logits(logits, *args), u, order=order)
     got = fused_draw(logits, u, *args, order)
     cdf, perm = reference_cdf(logits, *args, order)
@@ -62,7 +70,37 @@ def test_cpp_kernel_agrees_with_the_torch_reference(temperature, top_k, top_p, m
     same = got.tokens == ref.tokens
     np.testing.assert_allclose(got.starts[same], ref.starts[same], atol=EDGE_TOLERANCE)
     np.testing.assert_allclose(got.probs[same], ref.probs[same], atol=EDGE_TOLERANCE)
-    assert same.float().mean() >= 0.9
+    assert same.float().mean() >= min_same
+
+
+@cpp
+@pytest.mark.parametrize(
+    ("case", "vocab", "temperature", "min_p"),
+    [
+        ("ties", 1000, 1.0, 0.0),  # six distinct logits: the cut falls inside a tie group
+        ("ties", 49152, 0.5, 0.02),
+        ("flat", 49152, 2.0, 0.0),  # thousands of tokens kept
+        ("peaked", 151936, 0.7, 0.0),
+        ("one value", 4096, 1.0, 0.0),  # every logit equal
+    ],
+)
+@pytest.mark.parametrize("order", ["id", "sorted"])
+def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperature, min_p, order):
+    """The pivot search for the top-p cut (no sort) keeps the set vLLM's sort keeps,
+    ties at the cut included (larger token ids first, as a stable ascending sort leaves
+    them), for p from almost 0 (only the top tokens) to almost 1, one p per row."""
+    gen = torch.Generator().manual_seed(vocab)
+    batch = 48
+    if case == "ties":
+        logits = torch.randint(0, 6, (batch, vocab), generator=gen).float()
+    elif case == "one value":
+        logits = torch.full((batch, vocab), 0.25)
+    else:
+        logits = torch.randn(batch, vocab, generator=gen) * (0.5 if case == "flat" else 4.0)
+    u = torch.rand(batch, dtype=torch.float64, generator=gen)
+    top_p = torch.cat([torch.tensor([1e-4, 0.01]), torch.linspace(0.05, 0.999, batch - 2)])
+    args = (torch.full((batch,), temperature), torch.zeros(batch, dtype=torch.long), top_p, torch.full((batch,), min_p))
+    assert_agrees_with_reference(logits, u, args, order, min_same=0.95)
 
 
 @cpp
