@@ -146,8 +146,9 @@ def _chat_logprobs(out: Any, top_k: int) -> list[Any]:
             TopLogprob(
                 token=lp.decoded_token or "", logprob=_finite(lp.logprob), bytes=list((lp.decoded_token or "").encode())
             )
-            for lp in sorted(position.values(), key=lambda lp: lp.rank or 0)
-            if (lp.rank or 0) <= top_k
+            # Exactly top_k entries: by rank alone, a sampled token tied with the k-th (equal
+            # logprobs, equal rank) would make k + 1.
+            for lp in sorted(position.values(), key=lambda lp: lp.rank or 0)[:top_k]
         ]
         content.append(
             ChatCompletionTokenLogprob(

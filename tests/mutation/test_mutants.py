@@ -165,6 +165,32 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "a preempted member is not parked (it comes back on fresh uniforms)",
+        "vllm_plugin/registry.py",
+        "        self._parked[key] = member\n"
+        "        self._parked_by_group.setdefault(member.group_key, {})[key] = member\n",
+        "",
+        ("tests/vllm_plugin/test_preemption.py",),
+        engine=True,
+    ),
+    Mutant(
+        "a row moved by the engine keeps its member at the old index",
+        "vllm_plugin/adapters.py",
+        "            if ra is not None:\n                self.rows[b] = ra\n",
+        "            if ra is not None:\n                self.rows[a] = ra\n",
+        ("tests/vllm_plugin/test_preemption.py",),
+        engine=True,
+    ),
+    Mutant(
+        "a swapped row's member is parked instead of moved",
+        "vllm_plugin/adapters.py",
+        "                    self.rows[a] = rb\n",
+        "                    self._settle_and_park(*rb)\n",
+        # vLLM's CPU attention never reorders the batch, so no engine here swaps rows: the
+        # killer drives the adapter with vLLM's own BatchUpdate.
+        ("tests/vllm_plugin/test_adapters.py::test_a_swap_exchanges_the_two_rows_members",),
+    ),
+    Mutant(
         "the logprobs wrap gated on exact vLLM version strings again",
         "vllm_plugin/logprobs.py",
         "    targets = [(V1Sampler, _wrap_v1)]\n",
