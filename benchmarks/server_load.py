@@ -14,7 +14,7 @@ Per phase: completed, expected 429s, other errors, p50/p99 latency and completio
 tokens/s; then the ratio qmc-serve / vLLM for throughput and p50 latency. The
 first line names the CPU.
 
-    python benchmarks/server_load.py [--requests 64] [--n 16] [--max-tokens 32] [--model DIR]
+    python benchmarks/server_load.py [--requests 64] [--n 16] [--max-tokens 32] [--model DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ def main() -> int:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--quick", action="store_true", help="4 requests of n = 4, 8 tokens: checks that it runs")
     args = p.parse_args()
+    if args.quick:
+        args.requests, args.n, args.max_tokens = 4, 4, 8
     import torch
 
     from qmc_sampler.cpu_defaults import cpu_engine_env, describe_cpu, engine_block_size, engine_dtype

@@ -1,5 +1,6 @@
-"""Every benchmark with a quick form runs it on this CPU (a crash, e.g. SIGILL from a kernel
-library built for another CPU, is a red test)."""
+"""Every benchmark's quick form runs on this CPU (a crash, e.g. SIGILL from a kernel library
+built for another CPU, is a red test). The engine benchmarks run on the tiny test model: the
+point is that each one runs here, not its figures."""
 
 import subprocess
 import sys
@@ -23,23 +24,41 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
 
 
-def test_the_rollout_benchmark_quick_form_runs_both_paths():
+def quick(script: str, model_dir: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "rollout_diversity.py"), "--quick"],
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--model", model_dir],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir):
+    done = quick("rollout_diversity.py", tiny_model_dir)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     for path in ("vllm (", "hf ("):
         assert path in done.stdout, done.stdout
     assert done.stdout.count("(lattice / i.i.d.)") == 2
 
 
-def test_the_reproducibility_benchmark_quick_form_runs():
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "reproducibility.py"), "--quick"], capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir):
+    done = quick("reproducibility.py", tiny_model_dir)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["iid"], ["lattice"])]
     assert len(rows) == 2 and all(0.0 <= float(r[1]) <= 1.0 for r in rows), done.stdout
+
+
+def test_the_end_to_end_overhead_quick_form_runs(tiny_model_dir):
+    done = quick("e2e_overhead.py", tiny_model_dir)
+    assert "\nCPU: " in "\n" + done.stdout and "throughput ratio lattice/plain = " in done.stdout, done.stdout
+
+
+def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir):
+    done = quick("server_load.py", tiny_model_dir)
+    assert "\nCPU: " in "\n" + done.stdout and "qmc-serve / vLLM's server = " in done.stdout, done.stdout
+    assert "burst: only the expected 429s" in done.stdout
+
+
+def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir):
+    done = quick("fleet_scaling.py", tiny_model_dir)
+    assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
