@@ -32,7 +32,9 @@ def _extensions() -> tuple[list, dict]:
         )
         return [], {}
     # No FP traps or errno are relied on; without these GCC keeps the exp loop scalar.
-    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
+    # -fopenmp: ATen's parallel_for is an OpenMP loop only where the including code is built with
+    # OpenMP (otherwise rows run one after another); it links libgomp.so.1, which torch has loaded.
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags += ["-mavx2", "-mfma"]  # the loader checks the CPU has AVX2 before importing it
 
@@ -45,7 +47,9 @@ def _extensions() -> tuple[list, dict]:
             except Exception as e:  # a missing or failing compiler must not break the install
                 warnings.warn(f"qmc-sampler: building {ext.name} failed ({e}); using the pure-torch path", stacklevel=1)
 
-    ext = CppExtension("qmc_sampler._C", ["csrc/cpu_sampling.cpp"], extra_compile_args=flags)
+    ext = CppExtension(
+        "qmc_sampler._C", ["csrc/cpu_sampling.cpp"], extra_compile_args=flags, extra_link_args=["-fopenmp"]
+    )
     return [ext], {"build_ext": SafeBuildExtension}
 
 

@@ -268,15 +268,27 @@ double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std:
       id_cut = j;
     }
   }
+  // Keep x > x*, and at x* the ids >= id_cut (all of them when there is one token at x*).
+  // Two loops so the common one compares values only (a per-index test kept GCC scalar), and
+  // through a raw pointer (stores through the vector itself were not vectorised: ~7x slower).
   double kept = 0.0;
+  float* wp = w.data();
   for (size_t b = 0; b < block_sum.size(); ++b) {
     const int64_t begin = static_cast<int64_t>(b) * BLOCK, end = std::min(vocab, begin + BLOCK);
     float s = 0.0f;
+    if (ties <= 1 || id_cut <= begin) {
 #pragma omp simd reduction(+ : s)
-    for (int64_t j = begin; j < end; ++j) {
-      const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
-      w[j] = keep ? w[j] : 0.0f;
-      s += w[j];
+      for (int64_t j = begin; j < end; ++j) {
+        const float wj = x[j] >= x_star ? wp[j] : 0.0f;
+        wp[j] = wj;
+        s += wj;
+      }
+    } else {
+      for (int64_t j = begin; j < end; ++j) {
+        const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
+        w[j] = keep ? w[j] : 0.0f;
+        s += w[j];
+      }
     }
     block_sum[b] = s;
     kept += s;
@@ -366,6 +378,7 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
   block_sum.assign(blocks, 0.0);
   double total = 0.0;
+  float* wp = w.data();  // a raw pointer: stores through the vector itself are not vectorised
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
     float s = 0.0f;
@@ -376,7 +389,7 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
       // Masked (below the min-p cut, or -inf) and float32-underflowing tokens weigh exactly 0.
       const bool keep = (x[j] >= min_p_cut) & (z > -87.0f);  // bitwise: no branch, so it vectorises
       const float wj = keep ? e : 0.0f;
-      w[j] = wj;
+      wp[j] = wj;
       s += wj;
     }
     block_sum[b] = s;
