@@ -144,14 +144,27 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 def make_llm(model_dir: str, **overrides):
-    """A vLLM engine on the CPU for tests (tiny KV cache, eager, float32)."""
+    """A vLLM engine on the CPU for tests (tiny KV cache, eager, float32), its engine core in this
+    process: it starts in ~3 s instead of ~17 s (no process to spawn and re-import vLLM into)."""
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm.envs
     from vllm import LLM
 
     kwargs = dict(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
-    return LLM(**(kwargs | overrides))
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return LLM(**(kwargs | overrides))
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+        # An engine core freezes vLLM's environment reads once it has started; in this shared
+        # process later engines and tests must see the environment as it is then.
+        vllm.envs.disable_envs_cache()
 
 
 @pytest.fixture(scope="session")

@@ -51,8 +51,12 @@ class V1Rows:
 
         for index in batch_update.removed:
             self._park(index)
-        for index, params, prompt_ids, output_ids in batch_update.added:
+        # Every row an added request replaces leaves before any arrival is placed: a finished
+        # group whose slots a repeat refills has then ended (its TTL counts from its last step)
+        # instead of looking live to its own repeat, one slot at a time.
+        for index, *_ in batch_update.added:
             self._park(index)
+        for index, params, prompt_ids, output_ids in batch_update.added:
             member = admit_params(self.registry, params, prompt_ids or [], output_ids, id(output_ids))
             if member is not None:
                 self.rows[index] = (member, output_ids)

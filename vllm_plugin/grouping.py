@@ -38,8 +38,8 @@ member: children of one request split across data-parallel engines, or TRL
 ranks (each has its own engine seed), get distinct streams.
 
 Lifetime of auto groups. A group is *open* while any member is in the engine,
-and for ``ttl`` seconds after its last member left (the worker's wall clock when
-the last member left, compared with the front-end's arrival stamp of the next
+and for ``ttl`` seconds after its last member left (the worker's wall clock at
+the last member's last step, compared with the front-end's arrival stamp of the next
 repeat; one machine's clock, or synchronised ones across nodes): a repeat
 arriving while the group is open becomes its next member — never an
 index that was already used, even by a finished member; a repeat after that
@@ -185,13 +185,21 @@ class GroupResolver:
         if group is not None:
             group.live += 1
 
-    def left(self, placement: Placement) -> None:
-        """A member of an auto group left the batch (finished or preempted)."""
+    def left(self, placement: Placement, last_step_at: float | None = None) -> None:
+        """A member of an auto group left the batch (finished or preempted).
+
+        Args:
+            last_step_at: the wall clock of the member's last step in the batch, where known:
+                the engine reports a finished request's removal only at its next step, which
+                an idle engine (an in-process ``LLM`` between ``generate`` calls) takes only
+                with the next work; the member left when it last drew. None: now.
+        """
         group = self._auto.get(placement.auto_key) if placement.auto_key is not None else None
         if group is not None and group.live > 0:
             group.live -= 1
             if group.live == 0:
-                group.idle_since = max(self._clock, self.clock())
+                left_at = self.clock() if last_step_at is None else last_step_at
+                group.idle_since = max(self._clock, left_at)
 
     def open_auto_groups(self) -> int:
         """How many auto groups are remembered now."""

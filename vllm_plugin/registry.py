@@ -94,6 +94,7 @@ class Member:
     history: int = 0  # token_history of the committed tokens
     engine_draws: bool = False  # this step's row is left to the engine (see MemberRegistry.leave_to_engine)
     degraded: bool = False  # it has had such a row (warned once per member)
+    last_step_at: float | None = None  # wall clock of its last row in a batch (its group's TTL starts there)
 
     def consistent_with(self, output_ids: Sequence[int]) -> bool:
         """True if ``output_ids`` is this member's history: committed, or committed + its pending token.
@@ -190,7 +191,7 @@ class MemberRegistry:
         """
         if accepted is not None:
             self.sync(member, accepted, last_token)
-        self.resolver.left(member.placement)
+        self.resolver.left(member.placement, member.last_step_at)
         key = id(member)
         self._parked[key] = member
         self._parked_by_group.setdefault(member.group_key, {})[key] = member
@@ -262,8 +263,10 @@ class MemberRegistry:
             min_p=None if temperature_applied else torch.tensor([m.sampling.min_p for m in members]),
         )
         starts, probs, tokens = draw.starts.tolist(), draw.probs.tolist(), draw.tokens.tolist()
+        now = self.resolver.clock()
         for j, m in enumerate(members):
             m.pending = Pending(uniform=float(uniforms[j]), start=starts[j], prob=probs[j], token=tokens[j])
+            m.last_step_at = now
         return draw, uniforms
 
     def leave_to_engine(self, members: Sequence[Member], why: str) -> None:
@@ -274,10 +277,12 @@ class MemberRegistry:
         exception inside the engine step (which would take the engine down for every user).
         Each member warns once; :attr:`RegistryStats.unsampleable` counts every such row.
         """
+        now = self.resolver.clock()
         for m in members:
             self.stats.unsampleable += 1
             m.pending = None
             m.engine_draws = True
+            m.last_step_at = now
             if not m.degraded:
                 m.degraded = True
                 logger.warning(

@@ -133,7 +133,7 @@ MUTANTS = [
     Mutant(
         "the auto-group ttl counts from the last arrival, not from when the last member left",
         "vllm_plugin/grouping.py",
-        "group.idle_since = max(self._clock, self.clock())",
+        "group.idle_since = max(self._clock, left_at)",
         "group.idle_since = self._clock",
         ("tests/vllm_plugin/test_grouping.py::test_sequential_repeats_longer_than_the_ttl_stay_one_group",),
     ),
