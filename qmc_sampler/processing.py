@@ -5,8 +5,9 @@ Pipeline, in vLLM's order (``vllm/v1/sample/sampler.py::Sampler.sample``):
 1. temperature: ``logits / T`` (``Sampler.apply_temperature``);
 2. min-p: mask tokens whose softmax probability is below ``min_p · max prob``
    (``vllm/v1/sample/logits_processor/builtin.py::MinPLogitsProcessor.apply``);
-3. top-k: sort ascending, mask logits strictly below the k-th largest (ties at the
-   boundary are kept) (``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p_pytorch``);
+3. top-k: mask logits strictly below the k-th largest (ties at the boundary are kept)
+   (``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p_pytorch``); without top-p
+   the k-th largest comes from ``torch.topk`` (a selection), with it from the sort top-p needs;
 4. top-p: on the top-k-masked, ascending-sorted row, mask tokens whose cumulative
    probability is ``<= 1 - p``, always keeping the largest;
 5. softmax. (The CDF, choice and carry follow in :mod:`qmc_sampler.inverse_cdf`
@@ -55,6 +56,8 @@ def process_logits(
     k_active, p_active = filters_active(top_k, top_p, vocab)
     if not (k_active or p_active):
         return out
+    if not p_active:
+        return _top_k_by_selection(out, top_k)
     logits_sort, logits_idx = out.sort(dim=-1, descending=False, stable=True)
     if k_active:
         assert top_k is not None
@@ -69,6 +72,20 @@ def process_logits(
         p_mask[:, -1] = False
         logits_sort = logits_sort.masked_fill(p_mask, float("-inf"))
     return torch.empty_like(out).scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def _top_k_by_selection(out: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k alone, without a sort: the k-th largest logit per row from ``torch.topk`` (over the
+    largest k any row asks for), then the same mask as the sorted path (below it: ``-inf``;
+    ties at the k-th value are kept)."""
+    vocab = out.shape[1]
+    k = top_k.to(dtype=torch.long)
+    active = (k > 0) & (k < vocab)
+    k_max = int(torch.where(active, k, 0).max())
+    values = torch.topk(out, k_max, dim=-1, sorted=True).values
+    k_dev = k.to(out.device).clamp(1, k_max)
+    kth = values.gather(1, (k_dev - 1).unsqueeze(1))
+    return out.masked_fill((out < kth) & active.to(out.device).unsqueeze(1), float("-inf"))
 
 
 def filters_active(top_k: torch.Tensor | None, top_p: torch.Tensor | None, vocab: int) -> tuple[bool, bool]:

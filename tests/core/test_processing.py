@@ -41,6 +41,14 @@ def test_rows_keep_their_own_parameters():
     assert finite[0] == 30 and finite[1] == 3 and finite[2] < 30
 
 
+def test_top_k_alone_keeps_each_rows_own_k():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    out = process_logits(logits, torch.ones(4), torch.tensor([0, 3, 30, 7]), None, None)
+    assert torch.isfinite(out).sum(dim=-1).tolist() == [30, 3, 30, 7]
+    kept = torch.isfinite(out[3])
+    assert logits[3][kept].min() >= logits[3][~kept].max()  # the 7 largest
+
+
 def test_ties_at_the_kth_logit_are_kept_like_vllm():
     logits = torch.tensor([[1.0, 2.0, 2.0, 0.5]])
     out = process_logits(logits, torch.ones(1), torch.tensor([2]), None, None)
