@@ -27,10 +27,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from qmc_sampler.counter_rng import Purpose, counter_hash
+from qmc_sampler.counter_rng import Purpose, counter_seed
 from qmc_sampler.group import GroupSpec, MemberState, carry_member, draw_members
 
 __all__ = ["ForcerStats", "GroupRecord", "QMCForcer"]
@@ -123,7 +122,7 @@ class QMCForcer:
             by_prompt.setdefault(ids.numpy().tobytes(), []).append(row)
         members: list[MemberState | None] = [None] * input_ids.shape[0]
         for g, rows in enumerate(by_prompt.values()):
-            seed = int(counter_hash(self.seed, Purpose.GROUP_SEED, g, 0)[0] >> np.uint64(1))
+            seed = counter_seed(self.seed, Purpose.GROUP_SEED, g, 0)
             spec = GroupSpec(self.method, len(rows), seed, self.order)
             self._placed.append((spec, tuple(rows)))
             for i, row in enumerate(rows):

@@ -30,7 +30,7 @@ import enum
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["Purpose", "counter_hash", "counter_uniform", "seed_to_u64"]
+__all__ = ["Purpose", "counter_hash", "counter_seed", "counter_uniform", "seed_to_u64"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -103,3 +103,11 @@ def counter_uniform(seed: ArrayLike, purpose: int, member: ArrayLike, step: Arra
     """
     k = counter_hash(seed, purpose, member, step) >> np.uint64(12)
     return (k.astype(np.float64) * 2.0 + 1.0) * _TWO_POW_M53
+
+
+def counter_seed(seed: int, purpose: int, member: int, step: int) -> int:
+    """A derived seed (a non-negative 63-bit int: fits int64 and ``GroupSpec``), addressed like
+    :func:`counter_hash`: the hash's top 63 bits. Used wherever a group seed is derived from
+    another seed and a counter (fresh groups, per-prompt groups), so no two derivations can be
+    written differently."""
+    return int(counter_hash(seed, purpose, member, step)[0] >> np.uint64(1))

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, QMCRequest
 
-from qmc_sampler.counter_rng import Purpose, counter_hash, seed_to_u64
+from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
 from qmc_sampler.group import EXTENSIBLE, GroupSpec
 
 __all__ = ["EngineSalt", "GroupResolver", "GroupStats", "Placement", "stable_seed"]
@@ -260,8 +260,7 @@ class GroupResolver:
 
     def _next_counter_seed(self) -> int:
         self._counter += 1
-        h = counter_hash(seed_to_u64(self.salt.engine_seed), Purpose.GROUP_SEED, self.salt.dp_rank, self._counter)
-        return int(h[0] >> np.uint64(1))
+        return counter_seed(seed_to_u64(self.salt.engine_seed), Purpose.GROUP_SEED, self.salt.dp_rank, self._counter)
 
     def _salted(self, seed: int) -> int:
         # Rank 0 keeps the user's seed as it is, so a single engine reproduces

@@ -60,9 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from qmc_sampler.counter_rng import Purpose, counter_hash
+from qmc_sampler.counter_rng import Purpose, counter_seed
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.processing import SAMPLING_EPS
@@ -161,8 +159,7 @@ _fresh_counter = itertools.count(1)
 
 def _fresh_seed() -> int:
     """A new group seed for a request without one: counter-based, salted per process."""
-    h = counter_hash(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))
-    return int(h[0] >> np.uint64(1))
+    return counter_seed(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))
 
 
 def _is_int(value: Any) -> bool:

@@ -4,6 +4,7 @@ import numpy as np
 from scipy import stats
 
 from qmc_sampler import Purpose, counter_hash, counter_uniform
+from qmc_sampler.counter_rng import counter_seed
 
 ALPHA = 1e-3 / 2  # two KS tests in this file, Bonferroni
 
@@ -43,3 +44,9 @@ def test_uniforms_are_uniform_across_members_and_across_steps() -> None:
     across_steps = counter_uniform(11, Purpose.FRESH, 0, np.arange(50_000))
     assert stats.kstest(across_members, "uniform").pvalue > ALPHA
     assert stats.kstest(across_steps, "uniform").pvalue > ALPHA
+
+
+def test_derived_seeds_are_the_hashes_top_63_bits():
+    seeds = [counter_seed(7, Purpose.GROUP_SEED, member, 3) for member in range(100)]
+    assert all(0 <= s < 2**63 for s in seeds) and len(set(seeds)) == 100
+    assert seeds[5] == int(counter_hash(7, Purpose.GROUP_SEED, 5, 3)[0]) >> 1

