@@ -6,7 +6,7 @@ and runs the same evaluation (default model, basic_arithmetic, lattice groups)
 through :class:`~qmc_sampler.eval.endpoints.EndpointBackend`, first against one
 endpoint, then against both, with the same concurrency. Prints groups/s for each
 and the ratio; checks that both runs produced every member of every group, and
-reports how many members' texts are identical between the runs (bit-identical
+reports how many groups' texts are identical between the runs (bit-identical
 only where a row's logits do not depend on its batch: see the README's
 reproducibility section).
 

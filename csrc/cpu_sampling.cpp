@@ -286,8 +286,8 @@ double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std:
     } else {
       for (int64_t j = begin; j < end; ++j) {
         const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
-        w[j] = keep ? w[j] : 0.0f;
-        s += w[j];
+        wp[j] = keep ? wp[j] : 0.0f;
+        s += wp[j];
       }
     }
     block_sum[b] = s;
