@@ -1,105 +1,63 @@
-"""``/metrics`` (Prometheus text format) and one structured log line per request.
+"""qmc-serve's counters (on vLLM's ``/metrics``) and its one structured log line per request.
 
-Metrics (``prometheus_client``, in its default registry — where vLLM's engine
-registers its own ``vllm:*`` metrics when stats logging is on, so one scrape
-gets both):
+Metrics (``prometheus_client``'s default registry, which vLLM's ``/metrics``
+serves with its own ``vllm:*`` and HTTP metrics):
 
-* ``qmc_serve_requests_total{endpoint, status}`` — requests answered;
 * ``qmc_serve_members_total{design}`` / ``qmc_serve_groups_total{design}`` —
-  member requests and groups sent to the engine (``design="greedy"`` for
-  temperature 0);
-* ``qmc_serve_request_latency_seconds{endpoint}`` — until the last byte, streams included;
+  member requests and groups sent to the engines (``design="greedy"`` for temperature 0);
 * ``qmc_serve_rejected_total{reason}`` — refusals: auth, body_size,
-  members_in_flight, invalid_request, model_not_found;
-* ``qmc_serve_members_in_flight`` — members in the engine now.
+  members_in_flight, invalid_request, shutting_down;
+* ``qmc_serve_members_in_flight`` — members in the engines now.
 
-The request log (logger ``qmc_sampler.server.requests``) writes one JSON object
-per request: ``id``, ``endpoint``, ``design``, ``n``, ``seed``, ``status``,
-``latency_s`` — never the prompt, the completion or any header.
+The request log (logger ``qmc_sampler.server.requests``, to stderr) writes one
+JSON object per completion or chat request: ``id``, ``endpoint``, ``design``,
+``n``, ``seed``, ``status``, ``latency_s`` — never the prompt, the completion or
+any header.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Callable
-from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
-__all__ = ["METRICS", "ObservabilityMiddleware", "RequestRecord", "request_log"]
+__all__ = ["METRICS", "RejectedBy", "log_request"]
 
-request_log = logging.getLogger("qmc_sampler.server.requests")
+_log = logging.getLogger("qmc_sampler.server.requests")
+
+
+class RejectedBy:
+    """Reasons a request is refused (the ``reason`` label of the rejection counter)."""
+
+    AUTH = "auth"
+    BODY_SIZE = "body_size"
+    CAPACITY = "members_in_flight"
+    INVALID = "invalid_request"
+    CLOSING = "shutting_down"
 
 
 class _Metrics:
     def __init__(self) -> None:
-        self.requests = Counter("qmc_serve_requests", "Requests answered", ["endpoint", "status"])
-        self.members = Counter("qmc_serve_members", "Member requests sent to the engine", ["design"])
-        self.groups = Counter("qmc_serve_groups", "Groups sent to the engine", ["design"])
-        self.latency = Histogram(
-            "qmc_serve_request_latency_seconds",
-            "Request latency until the last byte",
-            ["endpoint"],
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160),
-        )
+        self.members = Counter("qmc_serve_members", "Member requests sent to the engines", ["design"])
+        self.groups = Counter("qmc_serve_groups", "Groups sent to the engines", ["design"])
         self.rejected = Counter("qmc_serve_rejected", "Requests refused", ["reason"])
-        self.in_flight = Gauge("qmc_serve_members_in_flight", "Member requests in the engine now")
+        self.in_flight = Gauge("qmc_serve_members_in_flight", "Member requests in the engines now",
+                               multiprocess_mode="livesum")  # fmt: skip
 
 
 METRICS = _Metrics()
 
 
-class RequestRecord:
-    """What the handler learned about a request, for its log line (set on ``request.state.record``)."""
-
-    def __init__(self) -> None:
-        self.id: str | None = None
-        self.design: str | None = None
-        self.n: int | None = None
-        self.seed: int | None = None
-
-
-class ObservabilityMiddleware:
-    """Time every ``/v1/*`` request to its last byte, count it, and log one line (pure ASGI)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        start = time.monotonic()
-        record = RequestRecord()
-        scope.setdefault("state", {})["record"] = record
-        status = 500
-
-        async def observed_send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, observed_send)
-        finally:
-            endpoint = scope["path"]
-            latency = time.monotonic() - start
-            METRICS.requests.labels(endpoint, str(status)).inc()
-            METRICS.latency.labels(endpoint).observe(latency)
-            request_log.info(
-                json.dumps(
-                    {
-                        "event": "request",
-                        "id": record.id,
-                        "endpoint": endpoint,
-                        "design": record.design,
-                        "n": record.n,
-                        "seed": record.seed,
-                        "status": status,
-                        "latency_s": round(latency, 4),
-                    }
-                )
-            )
+def log_request(request_id: str | None, endpoint: str, design: str, n: int, seed: int | None, status: int,
+                latency_s: float) -> None:  # fmt: skip
+    """Write the request's log line (see the module docstring)."""
+    if not _log.handlers:  # vLLM configures its own loggers only
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+        _log.propagate = False
+    line = {"event": "request", "id": request_id, "endpoint": endpoint, "design": design, "n": n, "seed": seed,
+            "status": status, "latency_s": round(latency_s, 4)}  # fmt: skip
+    _log.info(json.dumps(line))

@@ -1,0 +1,180 @@
+"""qmc-serve's request fields, mapped onto the plugin's ``vllm_xargs`` before vLLM parses the body.
+
+=================== =================================================================
+field               meaning
+=================== =================================================================
+``sampler``         group design (``qmc_sampler.METHODS``); default: ``--sampler``
+``sampler_seed``    group seed; default: ``vllm_xargs.qmc_seed``, else ``seed``, else
+                    random (returned in the response, with ``sampler``)
+``sampler_offset``  this request's n choices are members offset … offset + n − 1 …
+``sampler_group_size`` … of a group of this size (default: offset + n)
+=================== =================================================================
+
+An ``n = 1`` request without offset or size is a member of its prompt's *auto*
+group (repeats of a prompt — lm-eval, TRL — form one group in the engine, as on
+``vllm serve`` with the plugin's drop-in). Any other designed request is an
+*explicit* group of its own (``qmc_group`` = a fresh id): member i depends only
+on (design, seed, i), so the same seed gives the same group on any replica, and
+``sampler_offset`` extends a group. A caller that names its group in
+``vllm_xargs`` (``qmc_group`` …, as sent to ``vllm serve``) keeps it. Everything
+else in the body is vLLM's to validate.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from qmc_sampler.designs import METHODS
+from qmc_sampler.processing import SAMPLING_EPS
+from qmc_sampler.vllm_plugin.request_args import check_extra_args
+
+__all__ = ["FIELDS", "FieldError", "Plan", "plan_request"]
+
+FIELDS = ("sampler", "sampler_seed", "sampler_offset", "sampler_group_size")
+
+
+class FieldError(ValueError):
+    """A request qmc-serve refuses (HTTP ``status``, OpenAI's error shape naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+    def body(self) -> dict[str, Any]:
+        """The response body, in OpenAI's error shape."""
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What qmc-serve does with one request.
+
+    Attributes:
+        body: the body for vLLM (our fields removed, ``vllm_xargs`` completed).
+        design: the design the engine applies, or None (greedy decoding).
+        seed: the group seed reported back (None: an auto group without a user seed).
+        n: choices per prompt; members: engine requests (n × prompts).
+        one_engine: True when the members must run on one data-parallel engine (an
+            ``n > 1`` group: the plugin numbers a request's children in their engine).
+    """
+
+    body: dict[str, Any]
+    design: str | None
+    seed: int | None
+    n: int
+    members: int
+    one_engine: bool
+
+
+def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_n: int) -> Plan:
+    """Validate qmc-serve's fields of a completion or chat request and map them onto ``vllm_xargs``.
+
+    Args:
+        body: the parsed JSON body (not modified).
+        chat: a ``/v1/chat/completions`` body (one prompt).
+        default_sampler: the design of requests that name none (``--sampler``).
+        max_n: the largest ``n`` accepted (``--max-n``).
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        FieldError: naming the field and its allowed values.
+    """
+    n = _int(body, "n", 1, low=1)
+    if n > max_n:
+        raise FieldError(f"n={n} must be between 1 and {max_n} (this server's --max-n)", "n")
+    best_of = body.get("best_of")
+    per_prompt = max(n, best_of) if _is_int(best_of) else n
+    members = per_prompt * (1 if chat else _prompt_count(body.get("prompt")))
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, dict):
+        raise FieldError("vllm_xargs must be an object of strings, numbers or lists of them", "vllm_xargs")
+    try:
+        check_extra_args(xargs)
+    except ValueError as e:
+        raise FieldError(str(e), "vllm_xargs") from None
+    sampler = body.get("sampler")
+    if sampler is not None and sampler not in METHODS:
+        raise FieldError(f"sampler={sampler!r} is not a design; use one of {list(METHODS)}", "sampler")
+    seed = next((s for s in (body.get("sampler_seed"), xargs.get("qmc_seed"), body.get("seed")) if s is not None), None)
+    if seed is not None and not _is_int(seed):
+        raise FieldError(f"sampler_seed={seed!r} must be an integer", "sampler_seed")
+    offset = _int(body, "sampler_offset", 0, low=0)
+    size = _int(body, "sampler_group_size", None, low=1)
+    asked = sampler or xargs.get("qmc_method")
+    method = asked or default_sampler
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and temperature < SAMPLING_EPS:
+        if asked not in (None, "iid"):
+            raise FieldError(
+                f"temperature={temperature} is greedy decoding, which has nothing to correlate: "
+                f"use temperature > 0 with sampler={asked!r}, or sampler='iid'",
+                "temperature",
+            )
+        method = None
+    if method is not None and body.get("use_beam_search"):
+        raise FieldError(
+            f"use_beam_search does not sample, so sampler={method!r} cannot apply; send temperature=0 "
+            "or leave use_beam_search out",
+            "use_beam_search",
+        )
+    out = {k: v for k, v in body.items() if k not in FIELDS}
+    if method is None:
+        return Plan(out, None, None, n, members, one_engine=False)
+    xargs = dict(xargs, qmc_method=method)
+    if "qmc_group" in xargs:  # the caller's own explicit group, as on vllm serve
+        if offset or size is not None:
+            raise FieldError(
+                "sampler_offset/sampler_group_size and vllm_xargs 'qmc_group' both name a group; send one", "vllm_xargs"
+            )
+        if seed is not None:
+            xargs.setdefault("qmc_seed", seed)
+    elif n == 1 and offset == 0 and size is None:  # one repeat of its prompt: the auto group
+        if seed is not None:
+            xargs["qmc_seed"] = seed
+    else:
+        size = offset + n if size is None else size
+        if offset > 0 and body.get("sampler_group_size") is None:
+            raise FieldError(
+                "sampler_offset needs sampler_group_size (the size of the group being extended)", "sampler_group_size"
+            )
+        if size < offset + n:
+            raise FieldError(f"sampler_group_size={size} must be >= sampler_offset + n = {offset + n}",
+                             "sampler_group_size")  # fmt: skip
+        if offset > 0 and seed is None:
+            raise FieldError(
+                "sampler_offset extends an existing group, which needs its seed: send sampler_seed "
+                "(the sampler_seed of the response that started the group)",
+                "sampler_seed",
+            )
+        seed = secrets.randbits(63) if seed is None else seed
+        xargs |= {"qmc_group": uuid.uuid4().hex, "qmc_seed": seed, "qmc_index": offset, "qmc_n": size}
+    out["vllm_xargs"] = xargs
+    return Plan(out, method, seed, n, members, one_engine=n > 1)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, low: int) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < low:
+        raise FieldError(f"{name}={value!r} must be an integer >= {low}", name)
+    return value
+
+
+def _prompt_count(prompt: Any) -> int:
+    """Prompts in a completion body: a string or token list is one; a list of them is several."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
+    return 1

@@ -1,0 +1,327 @@
+"""What qmc-serve adds to vLLM's OpenAI server: one pure ASGI middleware.
+
+On ``POST /v1/completions`` and ``/v1/chat/completions`` of a client the API key
+admits (others pass straight to vLLM, whose own middleware refuses them):
+
+1. the body, at most ``--max-body-bytes`` (400 naming the limit beyond it);
+2. :func:`~.fields.plan_request`: our ``sampler*`` fields become ``vllm_xargs``
+   (400 in OpenAI's shape naming the field); the rest is vLLM's to parse;
+3. room for the request's members (:class:`~.admission.MemberLimiter`: 429 with
+   ``Retry-After``);
+4. with several data-parallel engines, a designed ``n > 1`` request is pinned to
+   the engine with the fewest of this server's requests (vLLM's own
+   ``X-data-parallel-rank``): the plugin numbers a request's children in their
+   engine, so the group must stay whole — and its members then share the
+   prompt's KV blocks. A rank the client sent is kept;
+5. vLLM's response, with ``sampler`` and ``sampler_seed`` added to the JSON
+   body and to every streamed chunk; then the members' room is released, the
+   counters move and one JSON log line is written (:mod:`.observability`).
+
+It also answers ``GET /stats`` (the plugin's counters in every engine, requests
+in flight), checks at start-up that every engine runs the plugin (else one line
+and exit code 1: it would label i.i.d. samples ``lattice``), and makes SIGTERM
+graceful: new requests get 503, running ones have ``--shutdown-timeout``
+seconds, then what is left is aborted — those responses still end properly
+(``finish_reason: "abort"``, then ``[DONE]``) — and vLLM stops its engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from qmc_sampler.server.admission import MemberLimiter
+from qmc_sampler.server.fields import FieldError, Plan, plan_request
+from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
+
+__all__ = ["QMCServeMiddleware"]
+
+ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}  # path → chat
+#: Seconds aborted responses get to send their last chunk and ``[DONE]`` on shutdown.
+ABORT_FLUSH_S = 5.0
+_ID = re.compile(rb'"id":\s*"([^"]*)"')
+
+
+@dataclass
+class _Server:
+    """This API-server process's settings and running state (built from vLLM's parsed args)."""
+
+    args: Any
+    limiter: MemberLimiter
+    tokens: list[bytes]
+    responses: int = 0  # designed or not, in progress
+    closing: bool = False
+    rotation: itertools.count = field(default_factory=itertools.count)
+
+    def authorized(self, scope: dict[str, Any]) -> bool:
+        if not self.tokens:
+            return True
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        # Any of the keys, each compared in constant time (as vLLM's own check).
+        return any([hmac.compare_digest(sent, t) for t in self.tokens])
+
+
+class QMCServeMiddleware:
+    """qmc-serve's layer over vLLM's OpenAI app (see the module docstring); vLLM adds it from ``--middleware``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.server: _Server | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._lifespan_send(scope, send))
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        server = self._server(scope)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path == "/stats" and scope["method"] == "GET":
+            await _respond(send, 200, await self._stats(scope))
+            return
+        chat = ENDPOINTS.get(path)
+        if scope["method"] != "POST" or chat is None:
+            await self.app(scope, receive, send)
+            return
+        if not server.authorized(scope):
+            METRICS.rejected.labels(RejectedBy.AUTH).inc()
+            await self.app(scope, receive, send)  # vLLM's key check answers 401
+            return
+        if server.closing:
+            await _refuse(send, FieldError("the server is shutting down", None, status=503), RejectedBy.CLOSING)
+            return
+        server.responses += 1
+        try:
+            await self._serve(server, scope, receive, send, path, chat)
+        finally:
+            server.responses -= 1
+
+    async def _serve(self, server: _Server, scope: dict[str, Any], receive: Any, send: Any, path: str,
+                     chat: bool) -> None:  # fmt: skip
+        started = time.monotonic()
+        raw = await _read_body(scope, receive, server.args.max_body_bytes)
+        if raw is None:
+            limit = server.args.max_body_bytes
+            error = FieldError(f"request body exceeds this server's limit of {limit} bytes (--max-body-bytes)", None,
+                               code="request_too_large")  # fmt: skip
+            await _refuse(send, error, RejectedBy.BODY_SIZE)
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # vLLM's own 400
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        try:
+            plan = plan_request(body, chat=chat, default_sampler=server.args.sampler, max_n=server.args.max_n)
+            await server.limiter.acquire(plan.members)
+        except FieldError as e:
+            await _refuse(send, e, RejectedBy.CAPACITY if e.status == 429 else RejectedBy.INVALID)
+            return
+        design = plan.design or "greedy"
+        METRICS.in_flight.inc(plan.members)
+        METRICS.members.labels(design).inc(plan.members)
+        METRICS.groups.labels(design).inc(plan.members // max(plan.n, 1))
+        reply = _Reply(send, plan)
+        try:
+            payload = json.dumps(plan.body).encode()
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+            headers.append((b"content-length", str(len(payload)).encode()))
+            rank = self._engine_for(scope, plan)
+            if rank is not None:
+                headers.append((b"x-data-parallel-rank", str(rank).encode()))
+            await self.app(dict(scope, headers=headers), _replay(payload, receive), reply.send)
+        finally:
+            METRICS.in_flight.dec(plan.members)
+            await server.limiter.release(plan.members)
+            log_request(reply.id, path, design, plan.n, plan.seed, reply.status, time.monotonic() - started)
+
+    def _engine_for(self, scope: dict[str, Any], plan: Plan) -> int | None:
+        """The data-parallel engine to pin a group to, or None (one engine, or nothing to keep together)."""
+        if not plan.one_engine or any(k == b"x-data-parallel-rank" for k, _ in scope["headers"]):
+            return None
+        core = getattr(scope["app"].state.engine_client, "engine_core", None)
+        engines = getattr(core, "core_engines", None) or []
+        if len(engines) < 2:
+            return None
+        inflight = getattr(core, "engine_inflight", None)  # vLLM's exact count of this client's requests
+        start = next(self._server(scope).rotation)  # ties: rotate, as vLLM's balancer does
+        order = [(start + i) % len(engines) for i in range(len(engines))]
+        if inflight is None:
+            return order[0]
+        return min(order, key=lambda i: inflight[engines[i]])
+
+    async def _stats(self, scope: dict[str, Any]) -> dict[str, Any]:
+        from qmc_sampler.vllm_plugin.checks import engine_stats_async
+
+        engine = scope["app"].state.engine_client
+        return {
+            "engines": await engine_stats_async(engine),
+            "unfinished_requests": engine.get_num_unfinished_requests(),
+            "members_in_flight": self._server(scope).limiter.in_flight,
+        }
+
+    def _server(self, scope: dict[str, Any]) -> _Server:
+        if self.server is None:
+            args = scope["app"].state.args
+            keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+            limit = args.max_members_in_flight // max(getattr(args, "api_server_count", None) or 1, 1)
+            self.server = _Server(args, MemberLimiter(max(limit, 1), args.queue_timeout),
+                                  [f"Bearer {k}".encode() for k in keys])  # fmt: skip
+        return self.server
+
+    def _lifespan_send(self, scope: dict[str, Any], send: Any) -> Any:
+        async def lifespan_send(message: dict[str, Any]) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                await self._start(scope)
+            await send(message)
+
+        return lifespan_send
+
+    async def _start(self, scope: dict[str, Any]) -> None:
+        """Check the plugin runs in every engine, and make the engine's shutdown graceful."""
+        from qmc_sampler.vllm_plugin.checks import require_plugin_async
+
+        engine = scope["app"].state.engine_client
+        try:
+            await require_plugin_async(engine)  # never label i.i.d. samples "lattice"
+        except RuntimeError as e:
+            sys.stderr.write(f"qmc-serve: error: {e}\n")
+            sys.stderr.flush()
+            engine.shutdown()
+            os._exit(1)  # one line, not a start-up traceback
+        server, loop, stop = self._server(scope), asyncio.get_running_loop(), engine.shutdown
+
+        def shutdown(timeout: float | None = None) -> None:
+            # vLLM's SIGTERM handler calls this from a worker thread, so the drain can run on the
+            # server's loop; vLLM calls it again on its way out (on the loop: nothing left to drain).
+            if not server.closing and threading.current_thread() is not threading.main_thread():
+                grace = float(server.args.shutdown_timeout)
+                future = asyncio.run_coroutine_threadsafe(_drain(engine, server, grace), loop)
+                future.result(timeout=grace + ABORT_FLUSH_S + 10)
+            stop(timeout=0)
+
+        engine.shutdown = shutdown
+
+
+async def _drain(engine: Any, server: _Server, grace: float) -> None:
+    server.closing = True
+    deadline = time.monotonic() + grace
+    while server.responses and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = list(engine.output_processor.request_states)
+    if left:
+        await engine.abort(left, internal=True)  # their streams end with finish_reason "abort"
+    deadline = time.monotonic() + ABORT_FLUSH_S
+    while server.responses and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    print(f"qmc-serve: stopped; {engine.get_num_unfinished_requests()} engine requests unfinished", flush=True)
+
+
+class _Reply:
+    """``send`` for vLLM's response: adds ``sampler``/``sampler_seed`` to a 200's JSON body or each SSE chunk."""
+
+    def __init__(self, send: Any, plan: Plan) -> None:
+        self._send = send
+        self.status = 0
+        self.id: str | None = None
+        self._extension = json.dumps({"sampler": plan.design, "sampler_seed": plan.seed})[1:-1].encode() + b","
+        self._mode = ""  # "json", "sse", or "" (passed on as it is)
+        self._start: dict[str, Any] | None = None
+        self._held = b""
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            kind = dict(message.get("headers", [])).get(b"content-type", b"")
+            if self.status == 200:
+                self._mode = "sse" if kind.startswith(b"text/event-stream") else "json" if b"json" in kind else ""
+            if self._mode == "json":  # held until the body is complete: its length changes
+                self._start = message
+                return
+            await self._send(message)
+            return
+        if message["type"] != "http.response.body" or not self._mode:
+            await self._send(message)
+            return
+        self._held += message.get("body", b"")
+        more = message.get("more_body", False)
+        if self._mode == "json":
+            if more:
+                return
+            body = self._insert(self._held, b"{", None)
+            assert self._start is not None
+            headers = [(k, v) for k, v in self._start["headers"] if k != b"content-length"]
+            await self._send(dict(self._start, headers=[*headers, (b"content-length", str(len(body)).encode())]))
+            await self._send({"type": "http.response.body", "body": body})
+            return
+        cut = len(self._held) if not more else self._held.rfind(b"\n\n") + 2  # whole events only
+        if more and cut < 2:
+            return
+        ready, self._held = self._held[:cut], self._held[cut:]
+        events = self._insert(ready, b"data: {", b"\n\ndata: {")
+        await self._send({"type": "http.response.body", "body": events, "more_body": more})
+
+    def _insert(self, data: bytes, first: bytes, later: bytes | None) -> bytes:
+        """Our fields after the opening brace of the first JSON object (and of each later event).
+
+        ``later`` is matched only at event boundaries: JSON strings never hold a raw newline, so
+        text the model wrote (``data: {`` inside a completion) is never touched.
+        """
+        if self.id is None and (found := _ID.search(data)):
+            self.id = found.group(1).decode()
+        if data.startswith(first):
+            data = first + self._extension + data[len(first):]
+        return data if later is None else data.replace(later, later + self._extension)
+
+
+async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:
+    """The whole request body, or None once it passes ``limit`` (by Content-Length, or as it arrives)."""
+    length = dict(scope["headers"]).get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        return None
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+        if size > limit:
+            return None
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands out ``body`` once, then what the client sends next (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def _refuse(send: Any, error: FieldError, reason: str) -> None:
+    METRICS.rejected.labels(reason).inc()
+    headers = [(b"retry-after", str(int(error.retry_after)).encode())] if hasattr(error, "retry_after") else []
+    await _respond(send, error.status, error.body(), headers)
+
+
+async def _respond(send: Any, status: int, body: dict[str, Any], headers: list[Any] | None = None) -> None:
+    payload = json.dumps(body).encode()
+    start_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": start_headers + (headers or [])})
+    await send({"type": "http.response.body", "body": payload})
