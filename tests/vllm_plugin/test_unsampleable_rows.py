@@ -1,10 +1,10 @@
 """A request whose row has no inverse CDF never takes a server down (vLLM's own server with the
-drop-in, and qmc-serve).
+drop-in; qmc-serve is that server with a middleware in front).
 
 Two kinds of such rows: every token masked by the request's own constraints
 (``allowed_token_ids`` = [X] and ``bad_words`` = [X's text]), and NaN logits. The
 model is the tiny Llama with one token's embedding set to NaN, so any prompt that
-contains that token has NaN logits at every position after it. Each server must
+contains that token has NaN logits at every position after it. The server must
 answer the request (200 or a 4xx), log the plugin's warning, and then serve the
 next 20 requests, designed or not.
 """
@@ -56,22 +56,16 @@ def vllm_server_command(model):
             "--max-model-len", "256"]  # fmt: skip
 
 
-def qmc_serve_command(model):
-    return [sys.executable, "-m", "qmc_sampler.server.main", "--model", model, "--served-model-name", "tiny",
-            "--kv-cache-gb", "1", "--max-model-len", "256", "--dtype", "float32"]  # fmt: skip
-
-
-@pytest.fixture(scope="module", params=["vllm", "qmc-serve"])
-def server(request, nan_model, serve, tmp_path_factory):
-    """Each server in turn on the NaN model; yields (kind, base url, log path)."""
-    command = vllm_server_command if request.param == "vllm" else qmc_serve_command
-    log = tmp_path_factory.mktemp(f"unsampleable-{request.param}") / "server.log"
+@pytest.fixture(scope="module")
+def server(nan_model, serve, tmp_path_factory):
+    """The server on the NaN model; yields (base url, log path, process)."""
+    log = tmp_path_factory.mktemp("unsampleable") / "server.log"
     # The test reads the plugin's warning from the log: unbuffered, and at vLLM's INFO level (importing
     # TRL earlier in the session sets VLLM_LOGGING_LEVEL=ERROR in this process's environment).
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice", "PYTHONUNBUFFERED": "1",
                         "VLLM_LOGGING_LEVEL": "INFO"}  # fmt: skip
-    with serve(command(nan_model[0]), log, env) as (process, url):
-        yield request.param, url, log, process
+    with serve(vllm_server_command(nan_model[0]), log, env) as (process, url):
+        yield url, log, process
 
 
 def complete(url, **body):
@@ -102,7 +96,7 @@ def warned_more_than(log, before: int, timeout: float = 20.0) -> bool:
 
 
 def test_a_request_that_masks_every_token_is_answered_and_the_server_lives_on(server, masked):
-    kind, url, log, process = server
+    url, log, process = server
     allowed, bad = masked
     body = {"prompt": "the quick brown", "max_tokens": 4, "temperature": 1.5, "allowed_token_ids": allowed,
             "bad_words": bad}  # fmt: skip
@@ -110,14 +104,14 @@ def test_a_request_that_masks_every_token_is_answered_and_the_server_lives_on(se
     designed = complete(url, **body, n=4, vllm_xargs={"qmc_method": "iid"})
     assert designed.status_code == 200 or 400 <= designed.status_code < 500, designed.text
     assert warned_more_than(log, warned)  # the rows were reached, and left to the engine
-    if kind == "vllm":  # the same request without a design (qmc_auto_group=0 keeps the drop-in off)
-        plain = complete(url, **body, vllm_xargs={"qmc_auto_group": 0})
-        assert plain.status_code == designed.status_code, (plain.text, designed.text)
+    # the same request without a design (qmc_auto_group=0 keeps the drop-in off)
+    plain = complete(url, **body, vllm_xargs={"qmc_auto_group": 0})
+    assert plain.status_code == designed.status_code, (plain.text, designed.text)
     assert_serves_20_more(url, process)
 
 
 def test_a_prompt_with_nan_logits_is_answered_and_the_server_lives_on(server):
-    _, url, log, process = server
+    url, log, process = server
     warned = log.read_text().count(WARNING)
     response = complete(url, prompt=f"how vexingly quick daft {POISON_WORD} jump", n=4, max_tokens=4,
                         temperature=1.5, vllm_xargs={"qmc_method": "lattice"})  # fmt: skip
