@@ -1,7 +1,6 @@
 """qmc-serve's request fields: how they become the plugin's ``vllm_xargs`` (no server needed)."""
 
 import pytest
-
 from qmc_sampler.server.fields import LEAST_LOADED, FieldError, plan_request
 
 
