@@ -6,23 +6,25 @@ Pipeline, in vLLM's order (``vllm/v1/sample/sampler.py::Sampler.sample``):
 2. min-p: mask tokens whose softmax probability is below ``min_p · max prob``
    (``vllm/v1/sample/logits_processor/builtin.py::MinPLogitsProcessor.apply``);
 3. top-k: mask logits strictly below the k-th largest (ties at the boundary are kept)
-   (``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p_pytorch``); without top-p
-   the k-th largest comes from ``torch.topk`` (a selection), with it from the sort top-p needs;
+   (``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p_pytorch``), the k-th
+   largest from ``torch.topk`` (a selection, no sort);
 4. top-p: on the top-k-masked, ascending-sorted row, mask tokens whose cumulative
-   probability is ``<= 1 - p``, always keeping the largest;
+   probability is ``<= 1 - p``, always keeping the largest — found without sorting
+   (a bisection on the logit value, :func:`_top_p_by_search`);
 5. softmax. (The CDF, choice and carry follow in :mod:`qmc_sampler.inverse_cdf`
    and :mod:`qmc_sampler.carry`.)
 
-Masks are computed in float32 like vLLM's; the surviving logits are what the
-inverse CDF turns into float64 probabilities. Ties in the top-p sort are broken by
-token id (stable sort), which vLLM leaves to the unstable sort.
+Temperature and min-p are computed in float32 like vLLM's, top-p's masses in float64;
+the surviving logits are what the inverse CDF turns into float64 probabilities. Ties
+at the top-p cut are broken by token id as a stable ascending sort orders them (larger
+ids kept first), which vLLM leaves to its unstable sort.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["SAMPLING_EPS", "filters_active", "process_logits"]
+__all__ = ["KEY_SEARCH_STEPS", "SAMPLING_EPS", "filters_active", "ordered_keys", "process_logits"]
 
 #: vLLM's greedy threshold (``vllm/v1/sample/sampler.py::_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -54,24 +56,59 @@ def process_logits(
         threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(out).unsqueeze(1)
         out = out.masked_fill(probs < threshold, float("-inf"))
     k_active, p_active = filters_active(top_k, top_p, vocab)
-    if not (k_active or p_active):
-        return out
-    if not p_active:
-        return _top_k_by_selection(out, top_k)
-    logits_sort, logits_idx = out.sort(dim=-1, descending=False, stable=True)
     if k_active:
         assert top_k is not None
-        k = top_k.to(device=out.device, dtype=torch.long)
-        k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
-        kth = logits_sort.gather(1, (vocab - k).unsqueeze(1))
-        logits_sort = logits_sort.masked_fill(logits_sort < kth, float("-inf"))
+        out = _top_k_by_selection(out, top_k)
     if p_active:
         assert top_p is not None
-        cum = torch.cumsum(logits_sort.softmax(dim=-1), dim=-1)
-        p_mask = cum <= 1 - top_p.to(out).unsqueeze(1)
-        p_mask[:, -1] = False
-        logits_sort = logits_sort.masked_fill(p_mask, float("-inf"))
-    return torch.empty_like(out).scatter_(dim=-1, index=logits_idx, src=logits_sort)
+        out = _top_p_by_search(out, top_p)
+    return out
+
+
+def ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """``int64`` keys in the order of the float32 values of ``x`` (equal values, equal keys).
+
+    The IEEE bit pattern is monotone for non-negative floats and reversed for negative
+    ones; ``-0.0`` is first made ``+0.0`` (they compare equal).
+    """
+    bits = (x.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF) - 1)
+
+
+#: Bisection steps that pin a key in the int32 range (plus the -inf sentinel below it).
+KEY_SEARCH_STEPS = 34
+
+
+def _top_p_by_search(out: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p without a sort: the kept set of the ascending-sort rule, found by bisection.
+
+    In vLLM's rule a token survives when the probability of the tokens after it in
+    ascending (logit, id) order is < p. So the cut is the logit x* whose tokens hold
+    that boundary — mass(x > x*) < p·total <= mass(x >= x*) — found by a fixed number
+    of bisection steps on :func:`ordered_keys` (masked sums over the row, no sort and no
+    host round trip); every token above x* is kept, and at x* the ties with the largest
+    ids while the mass above them is still < p·total (the stable sort's order). Sums
+    are in float64 over ``exp(x − max)``.
+    """
+    p = top_p.to(device=out.device, dtype=torch.float64).unsqueeze(1)
+    keys = ordered_keys(out)
+    weights = torch.exp((out - out.amax(dim=-1, keepdim=True)).to(torch.float64))
+    target = p * weights.sum(dim=-1, keepdim=True)
+    lo = torch.full_like(target, -(1 << 31) - 2, dtype=torch.int64)  # mass(x > lo) = total >= target
+    hi = keys.amax(dim=-1, keepdim=True)  # mass(x > hi) = 0 < target
+    for _ in range(KEY_SEARCH_STEPS):
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        below = (weights * (keys > mid)).sum(dim=-1, keepdim=True) < target
+        hi = torch.where(below, mid, hi)
+        lo = torch.where(below, lo, mid)
+    above = (weights * (keys > hi)).sum(dim=-1, keepdim=True)
+    tie = keys == hi
+    tie_weight = (weights * tie).amax(dim=-1, keepdim=True)
+    # Ties kept from the largest id down: the i-th (i = 0, 1, …) while above + i·w < target.
+    kept_ties = torch.ceil((target - above) / tie_weight)
+    from_the_top = tie.flip(-1).cumsum(-1).flip(-1)  # ties at this id or after it
+    keep = (keys > hi) | (tie & (from_the_top <= kept_ties))
+    return out.masked_fill(~keep & (p < 1), float("-inf"))
 
 
 def _top_k_by_selection(out: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -84,3 +84,36 @@ def test_equals_vllms_own_top_k_top_p_and_min_p(seed):
     theirs = vllm_ops.apply_top_k_top_p_pytorch(theirs.clone(), k.clone(), p.clone())
     torch.testing.assert_close(torch.isfinite(ours), torch.isfinite(theirs))
     torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
+
+
+def kept_by_the_sorted_rule(logits, top_p):
+    """vLLM's top-p rule stated with a sort (stable: ties in id order), in float64: a token is
+    masked when the cumulative probability up to it in ascending order is <= 1 - p."""
+    ordered, index = logits.double().sort(dim=-1, stable=True)
+    masked = torch.cumsum(torch.softmax(ordered, dim=-1), dim=-1) <= 1 - top_p.double().unsqueeze(1)
+    masked[:, -1] = False
+    return torch.zeros_like(masked).scatter_(-1, index, ~masked)
+
+
+@pytest.mark.parametrize("case", ["ties", "one value", "flat", "peaked", "masked"])
+def test_top_p_without_sorting_keeps_the_sorted_rules_set_ties_included(case):
+    # Six distinct logits (ties): the cut falls inside a tie group, where the larger ids are
+    # kept first; p is continuous, so no row sits exactly on a rounding boundary.
+    gen = torch.Generator().manual_seed(7)
+    batch, vocab = 64, 3000
+    if case == "ties":
+        logits = torch.randint(0, 6, (batch, vocab), generator=gen).float() / 2
+    elif case == "one value":
+        logits = torch.full((batch, vocab), -0.75)
+    else:
+        logits = torch.randn(batch, vocab, generator=gen) * (0.5 if case != "peaked" else 4.0)
+    if case == "masked":
+        logits = logits.masked_fill(logits < 0.2, float("-inf"))
+        logits[:, 5] = 3.0
+    top_p = torch.rand(batch, generator=gen).clamp(1e-4, 0.999)
+    top_p[:4] = torch.tensor([1e-4, 0.003, 0.9993, 1.0])
+    out = process_logits(logits, torch.ones(batch), None, top_p, None)
+    kept = torch.isfinite(out)
+    expected = kept_by_the_sorted_rule(logits, top_p)
+    assert torch.equal(kept, expected), (kept != expected).any(-1).nonzero().flatten().tolist()
+    assert kept.any(-1).all() and torch.equal(out[kept], logits[kept])
