@@ -4,8 +4,8 @@
   tensors, one row per task of torch's thread pool, vectorised. Built by setup.py
   when a compiler is present; needs AVX2 on x86-64.
 * ``triton`` — :mod:`qmc_sampler.triton_kernels` for CUDA tensors: temperature,
-  min-p and the token-id-order CDF walk in one kernel (top-k/top-p applied first
-  with the torch masks; ``sorted`` order uses the torch path).
+  min-p, top-k and top-p (no sort) and the token-id-order CDF walk in one kernel
+  (``sorted`` order uses the torch path).
 * ``torch`` — :func:`qmc_sampler.processing.process_logits` then
   :func:`qmc_sampler.inverse_cdf.inverse_cdf`: any device, the reference.
 
@@ -31,7 +31,7 @@ from functools import lru_cache
 import torch
 
 from qmc_sampler.inverse_cdf import Draw, inverse_cdf, reject_bad_rows
-from qmc_sampler.processing import filters_active, process_logits
+from qmc_sampler.processing import process_logits
 
 __all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "fused_draw"]
 
@@ -120,12 +120,7 @@ def fused_draw(
     if backend == "triton":
         from qmc_sampler.triton_kernels import triton_inverse_cdf
 
-        if any(filters_active(top_k, top_p, logits.shape[1])):
-            # top-k/top-p depend on the tempered distribution: let the torch masks do all
-            # four steps, then the kernel only walks the CDF (temperature 1, no min-p).
-            logits = process_logits(logits, temperature, top_k, top_p, min_p)
-            temperature, min_p = torch.ones(batch), None
-        tokens, starts, probs = triton_inverse_cdf(logits, uniforms, temperature, min_p)
+        tokens, starts, probs = triton_inverse_cdf(logits, uniforms, temperature, min_p, top_k, top_p)
         return _checked(Draw(tokens=tokens, starts=starts, probs=probs))
     tokens, starts, probs = _cpp_kernel().fused_inverse_cdf(
         logits,

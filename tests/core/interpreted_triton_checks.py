@@ -79,3 +79,29 @@ def test_interpreted_kernel_gives_each_member_the_exact_distribution(interpreted
         obs = np.append(counts[big], counts[~big].sum())
         exp = np.append(expected[big], expected[~big].sum())
         assert stats.chisquare(obs, exp).pvalue > 1e-3 / 4, member
+
+
+@pytest.mark.parametrize(
+    ("case", "top_k", "min_p"),
+    [("ties", 0, 0.0), ("ties", 400, 0.0), ("one value", 0, 0.0), ("flat", 0, 0.0), ("peaked", 30, 0.02)],
+)
+def test_interpreted_top_k_and_top_p_without_sorting_keep_the_reference_set(interpreted, case, top_k, min_p):
+    # Six distinct logits (ties): the top-p cut and the k-th largest fall inside tie groups,
+    # where the larger ids are kept first; p from almost 0 to almost 1, one per row.
+    gen = torch.Generator().manual_seed(11)
+    batch, vocab = 12, 1000
+    if case == "ties":
+        logits = torch.randint(0, 6, (batch, vocab), generator=gen).float()
+    elif case == "one value":
+        logits = torch.full((batch, vocab), 0.25)
+    else:
+        logits = torch.randn(batch, vocab, generator=gen) * (0.5 if case == "flat" else 4.0)
+    u = torch.rand(batch, dtype=torch.float64, generator=gen)
+    top_p = torch.rand(batch, generator=gen).clamp(1e-3, 0.999)
+    top_p[0] = 1.0
+    args = (torch.full((batch,), 0.8), torch.full((batch,), top_k), top_p, torch.full((batch,), min_p))
+    got = fused_draw(logits, u, *args, "id")
+    ref = inverse_cdf(process_logits(logits, *args), u)
+    assert torch.equal(got.tokens, ref.tokens)
+    np.testing.assert_allclose(got.starts, ref.starts, atol=EDGE_TOLERANCE)
+    np.testing.assert_allclose(got.probs, ref.probs, atol=EDGE_TOLERANCE)
