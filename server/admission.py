@@ -1,10 +1,7 @@
-"""The member limiter: at most ``--max-members-in-flight`` member requests in the engines at once.
+"""The member limit: at most ``--max-members-in-flight`` member requests (n × prompts) at once.
 
-Every choice of a response is one member request. A request that does not fit
-waits up to ``--queue-timeout`` seconds for room, then gets a 429 with
-``Retry-After``; one that could never fit (n × prompts above the limit) gets a
-400 naming the limit. With several API-server processes (vLLM's
-``--api-server-count``) each holds an equal share of the limit.
+A request that does not fit waits up to ``--queue-timeout`` seconds, then gets a 429
+with ``Retry-After``; one that never could (above the limit) gets a 400 naming it.
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ class CapacityError(FieldError):
 
 
 class MemberLimiter:
-    """At most ``limit`` member requests in flight (see the module docstring).
-
-    Args:
-        limit: the bound; queue_timeout: seconds a request may wait for room before a 429.
-    """
+    """At most ``limit`` member requests in flight; a request waits up to ``queue_timeout`` s for room."""
 
     def __init__(self, limit: int, queue_timeout: float = 0.0) -> None:
         self.limit = limit

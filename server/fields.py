@@ -1,23 +1,10 @@
-"""qmc-serve's request fields, mapped onto the plugin's ``vllm_xargs`` before vLLM parses the body.
+"""qmc-serve's ``sampler``, ``sampler_seed``, ``sampler_offset``, ``sampler_group_size``, mapped onto
+the plugin's ``vllm_xargs`` before vLLM parses the body (README, "qmc-serve").
 
-=================== =================================================================
-field               meaning
-=================== =================================================================
-``sampler``         group design (``qmc_sampler.METHODS``); default: ``--sampler``
-``sampler_seed``    group seed; default: ``vllm_xargs.qmc_seed``, else ``seed``, else
-                    random (returned in the response, with ``sampler``)
-``sampler_offset``  this request's n choices are members offset … offset + n − 1 …
-``sampler_group_size`` … of a group of this size (default: offset + n)
-=================== =================================================================
-
-An ``n = 1`` request without offset or size is a member of its prompt's *auto*
-group (repeats of a prompt — lm-eval, TRL — form one group in the engine, as on
-``vllm serve`` with the plugin's drop-in). Any other designed request is an
-*explicit* group of its own (``qmc_group`` = a fresh id): member i depends only
-on (design, seed, i), so the same seed gives the same group on any replica, and
-``sampler_offset`` extends a group. A caller that names its group in
-``vllm_xargs`` (``qmc_group`` …, as sent to ``vllm serve``) keeps it. Everything
-else in the body is vLLM's to validate.
+An ``n = 1`` request without offset or size joins its prompt's *auto* group (as on
+``vllm serve`` with the drop-in); any other designed request is an *explicit* group
+of its own (a fresh ``qmc_group``), whose member i depends only on (design, seed, i);
+a caller's own ``qmc_group`` is kept. The rest of the body is vLLM's to validate.
 """
 
 from __future__ import annotations
@@ -55,18 +42,12 @@ class FieldError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """What qmc-serve does with one request.
-
-    Attributes:
-        body: the body for vLLM (our fields removed, ``vllm_xargs`` completed).
-        design: the design the engine applies, or None (greedy decoding).
-        seed: the group seed reported back (None: an auto group without a user seed).
-        n: choices per prompt; members: engine requests (n × prompts); groups: prompts.
-        placement: where the members must run when there are several data-parallel
-            engines: None (anywhere), ``LEAST_LOADED`` (one engine: an ``n > 1`` group,
-            whose children the plugin numbers in their engine), or a key naming the
-            engine (an auto-group repeat: the engine is chosen by its prompt, so that
-            the repeats of a prompt meet in one engine's auto group).
+    """What qmc-serve does with one request: ``body`` for vLLM (our fields removed,
+    ``vllm_xargs`` completed), the ``design`` applied (None: greedy), the ``seed`` reported
+    (None: an auto group without one), ``n``, ``members`` (n × prompts), ``groups``
+    (prompts), and ``placement`` under data parallelism: None (anywhere),
+    :data:`LEAST_LOADED` (one engine: an ``n > 1`` group), or a prompt key (auto-group
+    repeats meet on the engine it picks).
     """
 
     body: dict[str, Any]

@@ -1,19 +1,8 @@
-"""``qmc-serve``: vLLM's OpenAI server with correlated sampling groups.
-
-    qmc-serve [MODEL] [every vllm serve option] [--sampler lattice] [--max-n 128]
-              [--max-members-in-flight 1024] [--queue-timeout 0] [--max-body-bytes 1048576]
-              [--kv-cache-gb N]
-
-It is ``vllm serve`` — vLLM's argument parser, engines, protocol, streaming, chat
-templates, tool calling, logprobs, ``--api-key``, ``/metrics`` — with the plugin
-switched on and :mod:`.middleware` added (our request fields, the member limit,
-groups kept whole under data parallelism, ``/stats``, the start-up check and a
-graceful SIGTERM). Defaults that differ from ``vllm serve``: the model (the
-embedded SmolLM2-135M-Instruct, served as its folder name), ``--shutdown-timeout
-30`` (vLLM: 0, abort at once), and on a CPU the measured CPU defaults (dtype by
-the CPU's native bf16, 32-token KV blocks so a group's members share their
-prompt's blocks, eager mode, a free core on small machines). ``QMC_SERVE_API_KEY``
-is read as ``VLLM_API_KEY`` is.
+"""``qmc-serve [MODEL] [vllm serve options] [--sampler lattice] [--max-n 128] [--max-members-in-flight 1024]
+[--queue-timeout 0] [--max-body-bytes 1048576] [--kv-cache-gb N]``: ``vllm serve`` with the plugin and
+:mod:`.middleware`. Defaults that differ: the embedded model, ``--shutdown-timeout 30``, and on a CPU
+the measured CPU defaults (:mod:`qmc_sampler.cpu_defaults`, eager mode); ``QMC_SERVE_API_KEY`` works
+as ``VLLM_API_KEY``.
 """
 
 from __future__ import annotations

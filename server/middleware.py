@@ -1,29 +1,14 @@
-"""What qmc-serve adds to vLLM's OpenAI server: one pure ASGI middleware.
+"""What qmc-serve adds to vLLM's OpenAI server: one pure ASGI middleware (README, "qmc-serve").
 
-On ``POST /v1/completions`` and ``/v1/chat/completions`` of a client the API key
-admits (others pass straight to vLLM, whose own middleware refuses them):
-
-1. the body, at most ``--max-body-bytes`` (400 naming the limit beyond it);
-2. :func:`~.fields.plan_request`: our ``sampler*`` fields become ``vllm_xargs``
-   (400 in OpenAI's shape naming the field); the rest is vLLM's to parse;
-3. room for the request's members (:class:`~.admission.MemberLimiter`: 429 with
-   ``Retry-After``);
-4. with several data-parallel engines, a designed ``n > 1`` request is pinned to
-   the engine with the fewest of this server's requests (vLLM's own
-   ``X-data-parallel-rank``): the plugin numbers a request's children in their
-   engine, so the group must stay whole — and its members then share the
-   prompt's KV blocks. An auto-group repeat (n = 1) goes to the engine its prompt
-   hashes to, so the repeats of a prompt meet. A rank the client sent is kept;
-5. vLLM's response, with ``sampler`` and ``sampler_seed`` added to the JSON
-   body and to every streamed chunk; then the members' room is released, the
-   counters move and one JSON log line is written (:mod:`.observability`).
-
-It also answers ``GET /stats`` (the plugin's counters in every engine, requests
-in flight), checks at start-up that every engine runs the plugin (else one line
-and exit code 1: it would label i.i.d. samples ``lattice``), and makes SIGTERM
-graceful: new requests get 503, running ones have ``--shutdown-timeout``
-seconds, then what is left is aborted — those responses still end properly
-(``finish_reason: "abort"``, then ``[DONE]``) — and vLLM stops its engines.
+On the completion and chat routes, for clients the API key admits (vLLM answers the
+others): the body limit; our ``sampler*`` fields mapped onto ``vllm_xargs``
+(:mod:`.fields`); the member limit (:mod:`.admission`); a designed ``n > 1`` request
+pinned to one data-parallel engine, an auto-group repeat to the engine its prompt
+picks (vLLM's ``X-data-parallel-rank``; the plugin numbers children in their engine);
+``sampler``/``sampler_seed`` added to the response and every streamed chunk; counters
+and a log line (:mod:`.observability`). Also ``GET /stats``, the start-up plugin
+check, and a graceful SIGTERM (503 to new requests, ``--shutdown-timeout`` for running
+ones, then aborts that still end each response properly).
 """
 
 from __future__ import annotations
@@ -64,11 +49,8 @@ class _Server:
     rotation: itertools.count = field(default_factory=itertools.count)
 
     def authorized(self, scope: dict[str, Any]) -> bool:
-        if not self.tokens:
-            return True
-        sent = dict(scope["headers"]).get(b"authorization", b"")
-        # Any of the keys, each compared in constant time (as vLLM's own check).
-        return any([hmac.compare_digest(sent, t) for t in self.tokens])
+        sent = dict(scope["headers"]).get(b"authorization", b"")  # each key compared in constant time
+        return not self.tokens or any([hmac.compare_digest(sent, t) for t in self.tokens])
 
 
 class QMCServeMiddleware:
@@ -281,11 +263,8 @@ class _Reply:
         await self._send({"type": "http.response.body", "body": events, "more_body": more})
 
     def _insert(self, data: bytes, first: bytes, later: bytes | None) -> bytes:
-        """Our fields after the opening brace of the first JSON object (and of each later event).
-
-        ``later`` is matched only at event boundaries: JSON strings never hold a raw newline, so
-        text the model wrote (``data: {`` inside a completion) is never touched.
-        """
+        # Our fields after the first object's brace and each later event's: ``later`` starts
+        # with a blank line, which no JSON string holds raw, so the model's text is never touched.
         if self.id is None and (found := _ID.search(data)):
             self.id = found.group(1).decode()
         if data.startswith(first):

@@ -1,18 +1,6 @@
-"""qmc-serve's counters (on vLLM's ``/metrics``) and its one structured log line per request.
-
-Metrics (``prometheus_client``'s default registry, which vLLM's ``/metrics``
-serves with its own ``vllm:*`` and HTTP metrics):
-
-* ``qmc_serve_members_total{design}`` / ``qmc_serve_groups_total{design}`` —
-  member requests and groups sent to the engines (``design="greedy"`` for temperature 0);
-* ``qmc_serve_rejected_total{reason}`` — refusals: auth, body_size,
-  members_in_flight, invalid_request, shutting_down;
-* ``qmc_serve_members_in_flight`` — members in the engines now.
-
-The request log (logger ``qmc_sampler.server.requests``, to stderr) writes one
-JSON object per completion or chat request: ``id``, ``endpoint``, ``design``,
-``n``, ``seed``, ``status``, ``latency_s`` — never the prompt, the completion or
-any header.
+"""qmc-serve's counters, on vLLM's ``/metrics`` (prometheus_client's default registry), and its
+one JSON log line per request (``id``, ``endpoint``, ``design``, ``n``, ``seed``, ``status``,
+``latency_s`` — never the prompt, the completion or a header).
 """
 
 from __future__ import annotations
