@@ -27,7 +27,9 @@ def base_url(tiny_model_dir, serve, server_log):
     command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
                "tiny", "--sampler", "lattice", "--max-n", "64", "--kv-cache-gb", "1",
                "--max-num-seqs", "32", "--enable-prefix-caching"]  # any vllm serve option  # fmt: skip
-    with serve(command, server_log, os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}) as (_, url):
+    # INFO: the test below reads vLLM's start-up line (TRL's import, earlier in a session, sets ERROR).
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    with serve(command, server_log, env) as (_, url):
         yield url
 
 
