@@ -38,23 +38,29 @@ class Draw:
     probs: torch.Tensor
 
 
-def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, order: str = "id") -> Draw:
+def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, order: str = "id", check: bool = True) -> Draw:
     """Pick, per row, the token whose CDF interval contains the row's uniform.
 
     Args:
         logits: ``[batch, vocab]`` processed logits (``-inf`` = excluded).
         uniforms: ``[batch]`` float64 in [0, 1), on any device.
         order: ``"id"`` or ``"sorted"`` (see module docstring).
+        check: raise for a bad row (a host round trip); False: its token is -1 instead.
 
     Returns:
         :class:`Draw` with tensors on ``logits.device``.
 
     Raises:
-        ValueError: a row contains NaN or has no token of positive probability.
+        ValueError: a row contains NaN or has no token of positive probability (``check``).
     """
     rows = logits.to(torch.float64)
     top = rows.amax(dim=-1, keepdim=True)
-    reject_bad_rows(~torch.isfinite(top.squeeze(1)) | torch.isnan(rows).any(dim=-1))
+    bad = ~torch.isfinite(top.squeeze(1)) | torch.isnan(rows).any(dim=-1)
+    if check:
+        reject_bad_rows(bad)
+    else:  # stand-ins, so the row's arithmetic stays finite; its token becomes -1 below
+        rows = torch.where(bad.unsqueeze(1), 0.0, rows)
+        top = torch.where(bad.unsqueeze(1), 0.0, top)
     weights = torch.exp(rows - top)
     perm = None
     if order == "sorted":
@@ -74,7 +80,8 @@ def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, order: str = "id")
     ends = cdf.gather(1, pos).squeeze(1)
     starts = torch.where(pos.squeeze(1) > 0, cdf.gather(1, (pos - 1).clamp_(min=0)).squeeze(1), 0.0)
     tokens = pos.squeeze(1) if perm is None else perm.gather(1, pos).squeeze(1)
-    return Draw(tokens=tokens.to(torch.int64), starts=starts, probs=ends - starts)
+    tokens = tokens.to(torch.int64) if check else torch.where(bad, -1, tokens.to(torch.int64))
+    return Draw(tokens=tokens, starts=starts, probs=ends - starts)
 
 
 def reject_bad_rows(bad: torch.Tensor) -> None:

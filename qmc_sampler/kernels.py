@@ -101,6 +101,7 @@ def fused_draw(
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
     order: str,
+    check: bool = True,
 ) -> Draw:
     """Processed distribution and inverse CDF for a batch, on the fastest backend.
 
@@ -109,19 +110,21 @@ def fused_draw(
         uniforms: ``[batch]`` float64 in [0, 1).
         temperature, top_k, top_p, min_p: ``[batch]`` (None: disabled for every row).
         order: ``"id"`` or ``"sorted"``.
+        check: raise for a bad row (NaN, nothing admissible), which costs a host round trip;
+            False: such a row's token is -1 and nothing leaves the device.
 
     Returns:
         :class:`qmc_sampler.inverse_cdf.Draw`.
     """
     backend = backend_for(logits.device)
     if backend == "torch" or (backend == "triton" and order == "sorted"):
-        return inverse_cdf(process_logits(logits, temperature, top_k, top_p, min_p), uniforms, order=order)
+        return inverse_cdf(process_logits(logits, temperature, top_k, top_p, min_p), uniforms, order, check)
     batch = logits.shape[0]
     if backend == "triton":
         from qmc_sampler.triton_kernels import triton_inverse_cdf
 
         tokens, starts, probs = triton_inverse_cdf(logits, uniforms, temperature, min_p, top_k, top_p)
-        return _checked(Draw(tokens=tokens, starts=starts, probs=probs))
+        return _checked(Draw(tokens=tokens, starts=starts, probs=probs), check)
     tokens, starts, probs = _cpp_kernel().fused_inverse_cdf(
         logits,
         temperature,
@@ -131,9 +134,10 @@ def fused_draw(
         uniforms,
         order == "sorted",
     )
-    return _checked(Draw(tokens=tokens, starts=starts, probs=probs))
+    return _checked(Draw(tokens=tokens, starts=starts, probs=probs), check)
 
 
-def _checked(draw: Draw) -> Draw:
-    reject_bad_rows(draw.tokens < 0)
+def _checked(draw: Draw, check: bool) -> Draw:
+    if check:
+        reject_bad_rows(draw.tokens < 0)
     return draw

@@ -21,6 +21,9 @@ and requests without a design are left untouched. Returned logprobs stay the
 model's own: raw modes are computed before any processor, and processed modes
 are corrected by :mod:`.logprobs`.
 
+The step never waits for the device (:mod:`.registry` keeps the members' numbers
+there; index and parameter tensors are rebuilt only when the batch's members change).
+
 Declaring argmax invariance is truthful for what vLLM uses it for: greedy rows
 are never modified, so no greedy argmax changes (an all-greedy batch skips the
 processor entirely).
@@ -29,6 +32,7 @@ processor entirely).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,6 +75,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         self._wrong_logprobs = None if require_for(mode) else f"{mode} cannot be kept correct on this vLLM"
         self._capture_rows = mode in PROCESSED_MODES
         self._capture: Capture | None = None
+        self._batch: _Batch | None = None
         logger.info(
             "qmc-sampler: serving the %s logits-processor interface (logprobs_mode=%s, data-parallel rank %d)",
             "Model Runner V2" if self.interface == "mrv2" else "V1 runner",
@@ -112,7 +117,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
 
     def stats(self) -> dict[str, Any]:
         """Counters of this processor (see :func:`plugin_stats`)."""
-        reg, groups = self.registry.stats, self.registry.resolver.stats
+        reg, groups = self.registry.counters(), self.registry.resolver.stats
         return {
             "interface": self.interface,
             "rows": len(self.v1.rows) + (len(self.mrv2.slots) if self.mrv2 is not None else 0),
@@ -132,43 +137,40 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
     def _impose(
         self, logits: torch.Tensor, row_ids: list[int], members: list[Member], temperature_applied: bool
     ) -> None:
-        device = logits.device
-        whole_batch = len(row_ids) == logits.shape[0] and row_ids == list(range(len(row_ids)))  # no copy
-        index = torch.tensor(row_ids, dtype=torch.long, device=device)
-        rows = logits if whole_batch else logits.index_select(0, index)
-        # A row with NaN or no finite logit (constraints that mask every token) has no
-        # inverse CDF: leave it to the engine, as if the request had no design.
-        drawable = torch.isfinite(rows.amax(dim=-1))
-        if not bool(drawable.all()):
-            keep = drawable.tolist()
-            self.registry.leave_to_engine(
-                [m for m, ok in zip(members, keep, strict=True) if not ok], "its logits are NaN or all -inf"
-            )
-            members = [m for m, ok in zip(members, keep, strict=True) if ok]
-            row_ids = [r for r, ok in zip(row_ids, keep, strict=True) if ok]
-            if not members:
-                return
-            whole_batch = False
-            index = torch.tensor(row_ids, dtype=torch.long, device=device)
-            rows = logits.index_select(0, index)
+        # Nothing here waits for the device: the batch's index and parameter tensors are
+        # rebuilt only when its members change, and rows the kernel cannot draw from (NaN,
+        # nothing admissible: token -1) are left to the engine by the mask itself.
+        batch = self._batch_tensors(row_ids, members, logits, temperature_applied)
+        rows = logits if batch.whole else logits.index_select(0, batch.index)
         if self._capture_rows:
-            self._capture = Capture(
-                index,
-                rows.clone(),
-                [(m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.min_p) for m in members],
-            )
+            self._capture = Capture(batch.index, rows.clone(), batch.sampling)
         try:
-            draw, _ = self.registry.draw(rows, members, temperature_applied=temperature_applied)
+            draw = self.registry.draw(rows, members, *batch.params, slots=batch.slots)
         except Exception as e:  # never take the engine (every user's requests) down with one batch
             logger.exception("qmc-sampler: the draw failed; this step's rows are left to the engine")
             self._capture = None
             self.registry.leave_to_engine(members, f"the draw failed ({type(e).__name__}: {e})")
             return
-        if whole_batch:
-            logits.fill_(float("-inf"))
+        ours = draw.tokens >= 0
+        if batch.whole:
+            mask = ours
         else:
-            logits.index_fill_(0, index, float("-inf"))
-        logits[index, draw.tokens.to(device)] = 0.0
+            mask = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            mask.index_copy_(0, batch.index, ours)
+        tokens = draw.tokens.clamp(min=0)
+        kept = logits[batch.index, tokens]
+        logits.masked_fill_(mask.unsqueeze(1), float("-inf"))
+        logits[batch.index, tokens] = torch.where(ours, torch.zeros_like(kept), kept)
+
+    def _batch_tensors(
+        self, row_ids: list[int], members: list[Member], logits: torch.Tensor, temperature_applied: bool
+    ) -> _Batch:
+        rows, device = logits.shape[0], logits.device
+        key = (tuple(row_ids), tuple(m.slot for m in members), tuple(map(id, members)), rows, device,
+               temperature_applied)  # fmt: skip
+        if self._batch is None or self._batch.key != key:
+            self._batch = _Batch.build(key, row_ids, members, rows, device, temperature_applied)
+        return self._batch
 
     # ---- V1 runner ----------------------------------------------------------
     def update_state(self, batch_update: BatchUpdate | None) -> None:
@@ -186,6 +188,44 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         """MRV2: admit this step's new requests, now that the runner has written their tokens."""
         assert self.mrv2 is not None
         self.mrv2.flush()
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The tensors of one batch composition, on the device (built on the host when members change)."""
+
+    key: tuple
+    index: torch.Tensor  # [rows] the members' logits rows
+    slots: torch.Tensor  # [rows] their pool rows
+    whole: bool  # the rows are the whole batch, in order
+    params: tuple  # temperature, top_k, top_p, min_p: [rows] each, or None (off for every row)
+    sampling: list[tuple[float, int, float, float]]
+
+    @classmethod
+    def build(
+        cls,
+        key: tuple,
+        row_ids: list[int],
+        members: list[Member],
+        rows: int,
+        device: torch.device,
+        temperature_applied: bool,
+    ) -> _Batch:
+        def put(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        sampling = [(m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.min_p) for m in members]
+        count = len(members)
+        temperature = put([1.0] * count if temperature_applied else [t for t, *_ in sampling], torch.float32)
+        # A filter no row asks for is off (None), so the kernels skip it.
+        top_k = put([k for _, k, _, _ in sampling], torch.int64) if any(k > 0 for _, k, _, _ in sampling) else None
+        top_p = put([p for _, _, p, _ in sampling], torch.float32) if any(p < 1 for _, _, p, _ in sampling) else None
+        min_p = None
+        if not temperature_applied and any(mp > 0 for *_, mp in sampling):
+            min_p = put([mp for *_, mp in sampling], torch.float32)
+        whole = row_ids == list(range(rows))  # every row, in order: no copy
+        return cls(key, put(row_ids, torch.int64), put([m.slot for m in members], torch.int64), whole,
+                   (temperature, top_k, top_p, min_p), sampling)  # fmt: skip
 
 
 def plugin_stats(worker: Any) -> dict[str, Any]:

@@ -12,7 +12,13 @@ samples and discards). The registry is where both runners' adapters meet:
   member's design and keeps it *pending*; :meth:`MemberRegistry.sync` commits it
   to the member's carry only when the engine reports one more accepted token,
   and discards it when the count did not move (the row then redraws from the
-  unchanged state);
+  unchanged state). While a member is in the batch, everything that depends on
+  the draws — its code, prefix width, fresh flag, pending draw, and the counts of
+  rows the engine sampled itself or whose token was not ours — lives in
+  :class:`DevicePool` on the logits' device, and a step never waits for the
+  device: the host computes the counter-based uniforms (they depend on seed,
+  member and step only), the device chooses and carries. The host reads a
+  member's row back when it leaves the batch (and for ``stats``);
 * **parking** (:meth:`MemberRegistry.park`): a row that leaves the batch
   (finished or preempted — vLLM does not say which) keeps its member, holding
   only what resumption needs (no engine buffers), in an LRU of bounded size.
@@ -28,6 +34,7 @@ them is exact too.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -38,11 +45,13 @@ import torch
 from qmc_sampler.vllm_plugin.grouping import GroupResolver, Placement
 from qmc_sampler.vllm_plugin.request_args import QMCRequest
 
+from qmc_sampler.counter_rng import Purpose, counter_uniform, seed_to_u64
 from qmc_sampler.designs import get_design
-from qmc_sampler.group import MemberState, carry_member, draw_members
+from qmc_sampler.group import PRECISION_FLOOR, MemberState
 from qmc_sampler.inverse_cdf import Draw
+from qmc_sampler.kernels import fused_draw
 
-__all__ = ["Member", "MemberRegistry", "Pending", "RowSampling", "token_history"]
+__all__ = ["DevicePool", "Member", "MemberRegistry", "Pending", "RowSampling", "token_history"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
@@ -83,21 +92,28 @@ class Pending:
 
 @dataclass
 class Member:
-    """One request (one member of a group) with a design."""
+    """One request (one member of a group) with a design.
+
+    While the member is in the batch (``slot >= 0``) its numbers live in the registry's
+    :class:`DevicePool` and ``state.code``/``width``/``fresh`` and ``pending`` are stale;
+    ``state.step`` and ``history`` are always the host's. Parking reads the pool row back.
+    """
 
     placement: Placement
     state: MemberState
     sampling: RowSampling
     group_key: Hashable
     identity: Hashable = None  # the adapter's name for the request (no engine objects)
-    pending: Pending | None = None
+    pending: Pending | None = None  # a parked member's draw still in doubt
     history: int = 0  # token_history of the committed tokens
     engine_draws: bool = False  # this step's row is left to the engine (see MemberRegistry.leave_to_engine)
     degraded: bool = False  # it has had such a row (warned once per member)
     last_step_at: float | None = None  # wall clock of its last row in a batch (its group's TTL starts there)
+    slot: int = -1  # its row of the device pool while in the batch
+    drew: bool = False  # in the batch: a draw is pending on the device
 
     def consistent_with(self, output_ids: Sequence[int]) -> bool:
-        """True if ``output_ids`` is this member's history: committed, or committed + its pending token.
+        """True if ``output_ids`` is this (parked) member's history: committed, or committed + its pending token.
 
         An empty history matches only a member that never drew a token still in doubt: a
         member parked with a pending first draw may have emitted it (a request that
@@ -118,12 +134,71 @@ class Member:
 
 @dataclass
 class RegistryStats:
-    """Counters of unusual events (logged when they happen)."""
+    """Counters of unusual events (logged when they happen, or when the device's counts are read)."""
 
     admitted: int = 0
     restored: int = 0
     lost: int = 0
     unsampleable: int = 0  # rows left to the engine: NaN, or no admissible token
+
+
+class DevicePool:
+    """The numbers of the members in the batch, one row each, on the logits' device.
+
+    Columns: ``code``, ``width``, the pending draw (``u``, ``start``, ``prob``,
+    ``token``, ``ours``: drawn by us rather than left to the engine), ``fresh``, and
+    per member constants (``carries``: a code design; ``alone``: the width below
+    which it goes fresh), and event counts the host reads at parking (``lost``: the
+    engine accepted another token than ours; ``left``: the engine sampled the row).
+    It lives on the CPU until the first draw names the device.
+    """
+
+    FLOATS = ("code", "width", "u", "start", "prob", "alone")
+    INTS = ("token", "lost", "left")
+    BOOLS = ("fresh", "ours", "carries")
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.device = torch.device("cpu")
+        self.columns: dict[str, torch.Tensor] = {}
+        self._allocate(capacity)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def _allocate(self, capacity: int) -> None:
+        old = self.columns
+        dtypes = {**dict.fromkeys(self.FLOATS, torch.float64), **dict.fromkeys(self.INTS, torch.int64),
+                  **dict.fromkeys(self.BOOLS, torch.bool)}  # fmt: skip
+        self.columns = {k: torch.zeros(capacity, dtype=t, device=self.device) for k, t in dtypes.items()}
+        for k, column in old.items():
+            self.columns[k][: len(column)] = column
+
+    def to(self, device: torch.device) -> None:
+        """Move the pool to ``device`` (once: the first draw's)."""
+        if device != self.device:
+            self.device = device
+            self.columns = {k: c.to(device) for k, c in self.columns.items()}
+
+    def take(self) -> int:
+        """A free row (the pool doubles when full: host work, at admission)."""
+        if not self.free:
+            size = len(self.columns["code"])
+            self._allocate(2 * size)
+            self.free = list(range(2 * size - 1, size - 1, -1))
+        return self.free.pop()
+
+    def put(self, slot: int, **values: float | int | bool) -> None:
+        """Write one row's columns (admission: host to device)."""
+        for k, v in values.items():
+            self.columns[k][slot] = v
+
+    def get(self, slot: int) -> dict[str, Any]:
+        """Read one row back (parking and stats: device to host)."""
+        return {k: c[slot].item() for k, c in self.columns.items()}
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        columns = self.__dict__.get("columns", {})
+        if name in columns:
+            return columns[name]
+        raise AttributeError(name)
 
 
 @dataclass
@@ -133,8 +208,12 @@ class MemberRegistry:
     resolver: GroupResolver = field(default_factory=GroupResolver)
     max_parked: int = 65_536
     stats: RegistryStats = field(default_factory=RegistryStats)
+    pool: DevicePool = field(default_factory=DevicePool)
     _parked: OrderedDict[int, Member] = field(default_factory=OrderedDict)  # LRU over all groups
     _parked_by_group: dict[Hashable, dict[int, Member]] = field(default_factory=dict)
+    _commits: list[tuple[Member, int]] = field(default_factory=list)  # accepted draws not yet carried
+    _go_fresh: list[Member] = field(default_factory=list)  # carry members the host saw lose their code
+    _active: dict[int, Member] = field(default_factory=dict)  # pool row -> member in the batch
 
     # ---- admission and parking ---------------------------------------------
     def admit(
@@ -163,6 +242,7 @@ class MemberRegistry:
             self.resolver.joined(member.placement)
             if member.state.step == len(output_ids):
                 member.pending = None  # the draw made before parking was discarded
+            self._activate(member)
             logger.info(
                 "qmc-sampler: member %d of group %s resumed at step %d with its carried state (%d so far)",
                 member.placement.member,
@@ -179,6 +259,7 @@ class MemberRegistry:
         if output_ids:
             self._lose(member, len(output_ids))
             member.history = token_history(output_ids)
+        self._activate(member)
         return member
 
     def park(self, member: Member, accepted: int | None = None, last_token: int | None = None) -> None:
@@ -191,6 +272,7 @@ class MemberRegistry:
         """
         if accepted is not None:
             self.sync(member, accepted, last_token)
+        self._deactivate(member)
         self.resolver.left(member.placement, member.last_step_at)
         key = id(member)
         self._parked[key] = member
@@ -206,15 +288,30 @@ class MemberRegistry:
             return False
         self._forget(member)
         self.resolver.joined(member.placement)
+        self._activate(member)
         return True
 
     def parked(self) -> int:
         """How many members are parked now."""
         return len(self._parked)
 
+    def settle(self, member: Member) -> MemberState:
+        """A member in the batch, brought up to date on the host (its device row read back; a sync)."""
+        if member.slot >= 0:
+            self._flush()
+            self._read_back(member)
+        return member.state
+
+    def record_draw(self, member: Member, pending: Pending) -> None:
+        """Make ``pending`` the member's draw in doubt, as :meth:`draw` would (for a draw made elsewhere)."""
+        self._flush()
+        self.pool.put(member.slot, u=pending.uniform, start=pending.start, prob=pending.prob, token=pending.token,
+                      ours=True)  # fmt: skip
+        member.drew = True
+
     # ---- the draw cycle -----------------------------------------------------
     def sync(self, member: Member, accepted: int, last_token: int | None) -> None:
-        """Reconcile a member with the engine's count of its accepted output tokens.
+        """Reconcile a member with the engine's count of its accepted output tokens (no device wait).
 
         Args:
             accepted: tokens the engine has accepted for this request so far.
@@ -223,51 +320,69 @@ class MemberRegistry:
         state = member.state
         engine_drew, member.engine_draws = member.engine_draws, False
         if accepted == state.step:
-            member.pending = None  # the last draw was discarded (or none made yet): redraw
+            member.drew = False  # the last draw was discarded (or none made yet): redraw
             return
+        known = last_token not in (None, -1)
         if engine_drew and accepted == state.step + 1:
             # The engine chose this token itself: nothing to carry, and the code's
             # coupling is gone, so carry designs continue with fresh uniforms.
-            if get_design(state.spec.method).carries:
-                state.fresh = True
+            self._fresh_from_now(member)
             state.step = accepted
-            member.history = token_history([last_token], member.history) if last_token not in (None, -1) else -1
+            member.history = token_history([last_token], member.history) if known else -1
             return
-        p = member.pending
-        if accepted == state.step + 1 and p is not None and last_token in (None, -1, p.token):
-            carry_member(state, p.uniform, p.start, p.prob)
-            member.history = token_history([p.token], member.history)
-            member.pending = None
+        if accepted == state.step + 1 and member.drew:
+            if not known:  # Model Runner V2 does not say: our pending token is the one (read back)
+                last_token = int(self.pool.token[member.slot].item())
+            self._commits.append((member, int(last_token)))  # carried on the device, with the next draw
+            state.step = accepted
+            member.history = token_history([int(last_token)], member.history)
+            member.drew = False
             return
         self._lose(member, accepted)
 
     def draw(
-        self, logits: torch.Tensor, members: Sequence[Member], *, temperature_applied: bool
-    ) -> tuple[Draw, np.ndarray]:
+        self,
+        logits: torch.Tensor,
+        members: Sequence[Member],
+        temperature: torch.Tensor,
+        top_k: torch.Tensor | None,
+        top_p: torch.Tensor | None,
+        min_p: torch.Tensor | None,
+        slots: torch.Tensor,
+    ) -> Draw:
         """Each member's token for its row of ``logits`` (``[len(members), vocab]``), kept pending.
 
+        Nothing here waits for the device: the accepted draws of the last step are carried
+        and the uniforms chosen on it (the host supplies only the counter-based ones).
+
         Args:
-            temperature_applied: True where the engine already applied temperature
-                and min-p (V1 runner); the draw then applies top-k/top-p only.
+            temperature, top_k, top_p, min_p: ``[len(members)]`` on the device (None: off).
+            slots: ``[len(members)] int64``, each member's pool row, on the device.
 
         Returns:
-            The :class:`~qmc_sampler.inverse_cdf.Draw` and the uniforms used.
+            The :class:`~qmc_sampler.inverse_cdf.Draw`; a token of -1 marks a row the
+            kernel could not draw from (NaN, nothing admissible): the engine samples it.
         """
-        ones = torch.ones(len(members))
-        draw, uniforms = draw_members(
-            logits,
-            [m.state for m in members],
-            temperature=ones if temperature_applied else torch.tensor([m.sampling.temperature for m in members]),
-            top_k=torch.tensor([m.sampling.top_k for m in members]),
-            top_p=torch.tensor([m.sampling.top_p for m in members]),
-            min_p=None if temperature_applied else torch.tensor([m.sampling.min_p for m in members]),
-        )
-        starts, probs, tokens = draw.starts.tolist(), draw.probs.tolist(), draw.tokens.tolist()
+        device = logits.device
+        self.pool.to(device)
+        self._flush()
+        designed, fresh = self._host_uniforms(members)
+        pool = self.pool
+        u = torch.where(
+            pool.fresh[slots], _upload(fresh, device), torch.where(pool.carries[slots], pool.code[slots],
+                                                                   _upload(designed, device)))  # fmt: skip
+        orders = {m.state.spec.order for m in members}
+        if len(orders) == 1:
+            draw = fused_draw(logits, u, temperature, top_k, top_p, min_p, orders.pop(), check=False)
+        else:
+            draw = self._draw_by_order(logits, members, u, temperature, top_k, top_p, min_p)
+        pool.u[slots], pool.start[slots], pool.prob[slots] = u, draw.starts, draw.probs
+        pool.token[slots], pool.ours[slots] = draw.tokens, draw.tokens >= 0
         now = self.resolver.clock()
-        for j, m in enumerate(members):
-            m.pending = Pending(uniform=float(uniforms[j]), start=starts[j], prob=probs[j], token=tokens[j])
+        for m in members:
+            m.drew = True
             m.last_step_at = now
-        return draw, uniforms
+        return draw
 
     def leave_to_engine(self, members: Sequence[Member], why: str) -> None:
         """Let the engine sample these members' rows itself this step (a row the inverse CDF cannot
@@ -280,31 +395,159 @@ class MemberRegistry:
         now = self.resolver.clock()
         for m in members:
             self.stats.unsampleable += 1
-            m.pending = None
+            m.drew = False
             m.engine_draws = True
             m.last_step_at = now
-            if not m.degraded:
-                m.degraded = True
-                logger.warning(
-                    "qmc-sampler: member %d of group %s, step %d: %s; the engine samples that row itself and the "
-                    "member continues with fresh uniforms. Rows left to the engine so far: %d",
-                    m.placement.member,
-                    m.placement.label,
-                    m.state.step,
-                    why,
-                    self.stats.unsampleable,
-                )
+            self._warn_degraded(m, why)
+
+    def counters(self) -> RegistryStats:
+        """:attr:`stats` with the device's counts of the members in the batch folded in (a sync)."""
+        self._flush()
+        for slot, member in self._active.items():
+            self._fold_events(slot, member)
+        return self.stats
 
     # ---- internals ----------------------------------------------------------
+    def _host_uniforms(self, members: Sequence[Member]) -> tuple[np.ndarray, np.ndarray]:
+        """Per member: its per-step design's u for this step, and its fresh counter uniform (host math)."""
+        count = len(members)
+        seeds = np.array([seed_to_u64(m.state.spec.seed) for m in members], dtype=np.uint64)
+        indices = np.array([m.state.member for m in members], dtype=np.int64)
+        steps = np.array([m.state.step for m in members], dtype=np.int64)
+        fresh = counter_uniform(seeds, Purpose.FRESH, indices, steps)
+        designed = np.zeros(count, dtype=np.float64)
+        by_method: dict[str, list[int]] = {}
+        for j, m in enumerate(members):
+            by_method.setdefault(m.state.spec.method, []).append(j)
+        for method, rows in by_method.items():
+            design = get_design(method)
+            if not design.carries:
+                ns = np.array([members[j].state.spec.n for j in rows], dtype=np.int64)
+                designed[rows] = design.step_uniforms(seeds[rows], ns, indices[rows], steps[rows])
+        return designed, fresh
+
+    def _draw_by_order(self, logits, members, u, temperature, top_k, top_p, min_p) -> Draw:  # type: ignore[no-untyped-def]
+        tokens = torch.empty(len(members), dtype=torch.int64, device=logits.device)
+        starts = torch.empty(len(members), dtype=torch.float64, device=logits.device)
+        probs = torch.empty_like(starts)
+        for order in {m.state.spec.order for m in members}:
+            rows = _upload(np.array([j for j, m in enumerate(members) if m.state.spec.order == order]), logits.device)
+            k, p, mp = (None if t is None else t[rows] for t in (top_k, top_p, min_p))
+            part = fused_draw(logits[rows], u[rows], temperature[rows], k, p, mp, order, check=False)
+            tokens[rows], starts[rows], probs[rows] = part.tokens, part.starts, part.probs
+        return Draw(tokens=tokens, starts=starts, probs=probs)
+
+    def _flush(self) -> None:
+        """Carry the accepted draws and apply the host's fresh switches, on the device."""
+        pool = self.pool
+        if self._go_fresh:
+            slots = _upload(np.array([m.slot for m in self._go_fresh], dtype=np.int64), pool.device)
+            pool.fresh[slots] = pool.carries[slots] | pool.fresh[slots]
+            self._go_fresh = []
+        if not self._commits:
+            return
+        slots = _upload(np.array([m.slot for m, _ in self._commits], dtype=np.int64), pool.device)
+        accepted = _upload(np.array([t for _, t in self._commits], dtype=np.int64), pool.device)
+        self._commits = []
+        ours, carries = pool.ours[slots], pool.carries[slots]
+        mine = ours & (pool.token[slots] == accepted)
+        # The engine sampled the row (we could not), or accepted another token than ours:
+        # nothing to carry, and a code design's coupling is gone (fresh from now on).
+        pool.left[slots] += (~ours).long()
+        pool.lost[slots] += (ours & ~mine).long()
+        fresh = pool.fresh[slots] | (carries & ~mine)
+        carry = mine & carries & ~fresh
+        # Rounding can push the quotient to 1.0 (or a hair below 0): the interval is half-open.
+        code = ((pool.u[slots] - pool.start[slots]) / pool.prob[slots]).clamp(0.0, math.nextafter(1.0, 0.0))
+        width = pool.width[slots] * pool.prob[slots]
+        pool.code[slots] = torch.where(carry, code, pool.code[slots])
+        pool.width[slots] = torch.where(carry, width, pool.width[slots])
+        pool.fresh[slots] = fresh | (carry & (width < pool.alone[slots]))
+
+    def _fresh_from_now(self, member: Member) -> None:
+        if get_design(member.state.spec.method).carries:
+            member.state.fresh = True
+            if member.slot >= 0:
+                self._go_fresh.append(member)
+
+    def _activate(self, member: Member) -> None:
+        """Give a member entering the batch its pool row, written from its host state."""
+        state = member.state
+        design = get_design(state.spec.method)
+        if design.carries and state.code is None and not state.fresh:
+            seeds = np.array([seed_to_u64(state.spec.seed)], dtype=np.uint64)
+            state.code = float(design.start_codes(seeds, np.array([state.spec.n]), np.array([state.member]))[0])
+        alone = max(float(design.alone_widths(np.array([state.spec.n]))[0]), PRECISION_FLOOR)
+        member.slot = self.pool.take()
+        p = member.pending
+        self.pool.put(
+            member.slot, code=state.code or 0.0, width=state.width, fresh=state.fresh, carries=design.carries,
+            alone=alone, lost=0, left=0, ours=p is not None, u=p.uniform if p else 0.0, start=p.start if p else 0.0,
+            prob=p.prob if p else 1.0, token=p.token if p else -1,
+        )  # fmt: skip
+        member.drew = p is not None
+        member.pending = None
+        self._active[member.slot] = member
+
+    def _deactivate(self, member: Member) -> None:
+        """Read a member's pool row back into its host state and free the row."""
+        if member.slot < 0:
+            return
+        self._flush()
+        self._read_back(member)
+        del self._active[member.slot]
+        self.pool.free.append(member.slot)
+        member.slot = -1
+
+    def _read_back(self, member: Member) -> None:
+        row = self.pool.get(member.slot)
+        state = member.state
+        if get_design(state.spec.method).carries and not row["fresh"]:
+            state.code, state.width = row["code"], row["width"]
+        state.fresh = bool(row["fresh"])
+        # A draw in doubt; none where the engine sampled the row itself (it has no interval of ours).
+        drew = member.drew and bool(row["ours"])
+        member.pending = Pending(row["u"], row["start"], row["prob"], int(row["token"])) if drew else None
+        self._fold_events(member.slot, member)
+
+    def _fold_events(self, slot: int, member: Member | None = None) -> None:
+        lost, left = int(self.pool.lost[slot].item()), int(self.pool.left[slot].item())
+        if not (lost or left):
+            return
+        self.pool.put(slot, lost=0, left=0)
+        self.stats.lost += lost
+        self.stats.unsampleable += left
+        if member is not None and lost:
+            logger.warning(
+                "qmc-sampler: member %d of group %s: the engine accepted another token than the one drawn %d "
+                "time(s); it continues with fresh uniforms (still an exact sample). Lost so far: %d",
+                member.placement.member, member.placement.label, lost, self.stats.lost,
+            )  # fmt: skip
+        if member is not None and left:
+            self._warn_degraded(member, "its logits are NaN or all -inf")
+
+    def _warn_degraded(self, m: Member, why: str) -> None:
+        if not m.degraded:
+            m.degraded = True
+            logger.warning(
+                "qmc-sampler: member %d of group %s, step %d: %s; the engine samples that row itself and the "
+                "member continues with fresh uniforms. Rows left to the engine so far: %d",
+                m.placement.member,
+                m.placement.label,
+                m.state.step,
+                why,
+                self.stats.unsampleable,
+            )
+
     def _lose(self, member: Member, accepted: int) -> None:
         self.stats.lost += 1
         state = member.state
         # Per-step designs carry nothing, so nothing is lost: their member index
         # still gives them their own uniforms at every step.
-        if get_design(state.spec.method).carries:
-            state.fresh = True
+        self._fresh_from_now(member)
         state.step = accepted
         member.pending = None
+        member.drew = False
         logger.warning(
             "qmc-sampler: member %d of group %s lost its carried state at step %d; it continues with "
             "fresh uniforms (still an exact sample). Lost so far: %d",
@@ -336,3 +579,12 @@ class MemberRegistry:
             group.pop(id(member), None)
             if not group:
                 del self._parked_by_group[member.group_key]
+
+
+def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host values on ``device`` without waiting: through pinned memory, copied asynchronously
+    (torch's pinned-memory allocator keeps the block until the copy is done)."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

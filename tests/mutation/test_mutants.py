@@ -165,6 +165,24 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "the plugin's device carry does not divide by the token's probability",
+        "vllm_plugin/registry.py",
+        "code = ((pool.u[slots] - pool.start[slots]) / pool.prob[slots])",
+        "code = ((pool.u[slots] - pool.start[slots]))",
+        ("tests/vllm_plugin/test_engine.py::test_engine_equals_the_reference_loop",),
+        engine=True,
+    ),
+    Mutant(
+        "the plugin carries a draw whose token the engine did not accept",
+        "vllm_plugin/registry.py",
+        "mine = ours & (pool.token[slots] == accepted)",
+        "mine = ours",
+        (
+            "tests/vllm_plugin/test_registry.py::"
+            "test_a_token_the_engine_chose_instead_is_counted_and_the_member_goes_on_fresh",
+        ),
+    ),
+    Mutant(
         "a preempted member is not parked (it comes back on fresh uniforms)",
         "vllm_plugin/registry.py",
         "        self._parked[key] = member\n"

@@ -1,9 +1,10 @@
-"""The member registry (no engine): placement, the draw cycle, parking and resumption."""
+"""The member registry (no engine): placement, the draw cycle on the device, parking and resumption."""
 
 import gc
 import weakref
 
 import numpy as np
+import torch
 from qmc_sampler.vllm_plugin.grouping import GroupResolver
 from qmc_sampler.vllm_plugin.registry import MemberRegistry, Pending, RowSampling, token_history
 from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
@@ -20,7 +21,7 @@ def admit(reg, request=REQ, output=(), identity=None):
 
 
 def accept(reg, member, token, accepted):
-    member.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=token)
+    reg.record_draw(member, Pending(uniform=0.5, start=0.25, prob=0.5, token=token))
     reg.sync(member, accepted, token)
 
 
@@ -41,14 +42,38 @@ def test_an_explicit_index_is_used():
 def test_a_draw_is_committed_only_when_the_engine_accepts_it():
     reg = MemberRegistry()
     m = admit(reg)
-    m.state.code = 0.6
-    m.pending = Pending(uniform=0.6, start=0.5, prob=0.25, token=9)
+    start = m.state.code  # the member's start code, written to the device at admission
+    reg.record_draw(m, Pending(uniform=0.6, start=0.5, prob=0.25, token=9))
     reg.sync(m, 0, None)  # discarded (chunked prefill): nothing changes
-    assert m.state.step == 0 and m.pending is None and m.state.code == 0.6
-    m.pending = Pending(uniform=0.6, start=0.5, prob=0.25, token=9)
-    reg.sync(m, 1, 9)  # accepted
-    assert m.state.step == 1 and abs(m.state.code - 0.4) < 1e-12 and m.state.width == 0.25
+    state = reg.settle(m)
+    assert state.step == 0 and m.pending is None and state.code == start
+    reg.record_draw(m, Pending(uniform=0.6, start=0.5, prob=0.25, token=9))
+    reg.sync(m, 1, 9)  # accepted: carried on the device
+    state = reg.settle(m)
+    assert state.step == 1 and abs(state.code - 0.4) < 1e-12 and state.width == 0.25 and not state.fresh
     assert m.history == token_history([9])
+
+
+def test_a_token_the_engine_chose_instead_is_counted_and_the_member_goes_on_fresh():
+    reg = MemberRegistry()
+    m = admit(reg)
+    reg.record_draw(m, Pending(uniform=0.5, start=0.25, prob=0.5, token=7))
+    reg.sync(m, 1, 8)  # the engine accepted 8, not our 7 (found on the device, counted when read)
+    assert reg.settle(m).fresh and reg.counters().lost == 1 and m.history == token_history([8])
+
+
+def test_a_row_the_kernel_cannot_draw_from_is_left_to_the_engine_and_counted():
+    reg = MemberRegistry()
+    a, b = admit(reg), admit(reg)
+    logits = torch.zeros(2, 5)
+    logits[1] = float("nan")
+    ones, slots = torch.ones(2), torch.tensor([a.slot, b.slot])
+    draw = reg.draw(logits, [a, b], ones, None, None, None, slots=slots)
+    assert draw.tokens[0] >= 0 and draw.tokens[1] == -1  # no exception: the engine samples row 1
+    reg.sync(a, 1, int(draw.tokens[0]))
+    reg.sync(b, 1, 3)
+    assert reg.settle(a).step == reg.settle(b).step == 1 and reg.settle(b).fresh
+    assert (reg.counters().unsampleable, reg.counters().lost) == (1, 0)
 
 
 def test_a_parked_member_is_resumed_by_its_token_history():
@@ -66,12 +91,12 @@ def test_a_parked_member_is_resumed_by_its_token_history():
 def test_a_pending_draw_accepted_while_parked_is_committed_on_resume():
     reg = MemberRegistry()
     m = admit(reg)
-    m.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.record_draw(m, Pending(uniform=0.5, start=0.25, prob=0.5, token=7))
     reg.park(m)
     again = admit(reg, output=[7])
     assert again is m
     reg.sync(again, 1, 7)
-    assert again.state.step == 1 and not again.state.fresh
+    assert reg.settle(again).step == 1 and not again.state.fresh
 
 
 def test_identity_is_checked_against_the_token_history():
@@ -130,7 +155,7 @@ def test_parked_members_hold_no_engine_buffers():
 def test_a_new_request_never_takes_a_parked_siblings_member():
     reg = MemberRegistry()
     first = admit(reg, identity=1)
-    first.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.record_draw(first, Pending(uniform=0.5, start=0.25, prob=0.5, token=7))
     reg.park(first)  # preempted before its first token was known to be accepted
     newcomer = admit(reg, identity=2)
     assert newcomer is not first and newcomer.placement.member == 1
@@ -154,11 +179,11 @@ def test_a_member_that_finished_after_one_draw_is_never_taken_by_a_new_request()
     # must not take the member's code and repeat its token.
     reg = MemberRegistry()
     first = admit(reg, identity=1)
-    first.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=7)
+    reg.record_draw(first, Pending(uniform=0.5, start=0.25, prob=0.5, token=7))
     reg.park(first)  # MRV2: the adapter cannot tell whether the draw was accepted
     assert admit(reg, identity=1) is not first
     second = admit(reg, identity=2)
-    second.pending = Pending(uniform=0.5, start=0.25, prob=0.5, token=8)
+    reg.record_draw(second, Pending(uniform=0.5, start=0.25, prob=0.5, token=8))
     reg.park(second, accepted=1, last_token=8)  # V1: the engine's list settles it
     assert second.state.step == 1 and second.pending is None
     assert admit(reg, identity=2) is not second
