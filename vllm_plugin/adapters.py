@@ -162,7 +162,7 @@ class MRV2Slots:
                 self.away.add(slot)
         positions = ctx.pos.tolist() if hasattr(ctx.pos, "tolist") else list(ctx.pos)
         prompt_len, prefill_len = self.req_states.prompt_len.np, self.req_states.prefill_len.np
-        row_ids, members = [], []
+        row_ids, members, accepted = [], [], []
         for row, slot in enumerate(slots):
             member = self.slots.get(slot)
             if member is None:
@@ -174,9 +174,10 @@ class MRV2Slots:
                     continue
             if int(positions[row]) + 1 < int(prefill_len[slot]):
                 continue  # a partial (re)fill chunk: its sample is discarded
-            self.registry.sync(member, int(positions[row]) - int(prompt_len[slot]) + 1, None)
             row_ids.append(row)
             members.append(member)
+            accepted.append(int(positions[row]) - int(prompt_len[slot]) + 1)
+        self.registry.sync_all(members, accepted)
         return row_ids, members
 
     def _release(self, slot: int) -> None:

@@ -332,13 +332,24 @@ class MemberRegistry:
             return
         if accepted == state.step + 1 and member.drew:
             if not known:  # Model Runner V2 does not say: our pending token is the one (read back)
-                last_token = int(self.pool.token[member.slot].item())
+                last_token = int(self.pool.token[member.slot].item())  # (sync_all reads a batch at once)
             self._commits.append((member, int(last_token)))  # carried on the device, with the next draw
             state.step = accepted
             member.history = token_history([int(last_token)], member.history)
             member.drew = False
             return
         self._lose(member, accepted)
+
+    def sync_all(self, members: Sequence[Member], accepted: Sequence[int]) -> None:
+        """:meth:`sync` for a batch whose last tokens the host does not know (Model Runner V2):
+        the pending tokens of the members that were accepted are read back in one transfer."""
+        need = [m for m, a in zip(members, accepted, strict=True) if m.drew and a == m.state.step + 1]
+        tokens: dict[int, int] = {}
+        if need:
+            slots = _upload(np.array([m.slot for m in need], dtype=np.int64), self.pool.device)
+            tokens = dict(zip(map(id, need), self.pool.token[slots].tolist(), strict=True))
+        for m, a in zip(members, accepted, strict=True):
+            self.sync(m, a, tokens.get(id(m)))
 
     def draw(
         self,
