@@ -11,15 +11,7 @@ import math
 
 from qmc_sampler.server.fields import FieldError
 
-__all__ = ["CapacityError", "MemberLimiter"]
-
-
-class CapacityError(FieldError):
-    """No room for the request's members within the wait (HTTP 429 with ``Retry-After``)."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message, None, status=429, code="members_in_flight")
-        self.retry_after = retry_after
+__all__ = ["MemberLimiter"]
 
 
 class MemberLimiter:
@@ -35,7 +27,7 @@ class MemberLimiter:
         """Reserve room for ``members``; wait at most ``queue_timeout`` for it.
 
         Raises:
-            FieldError: more members than the limit (400); CapacityError: no room in time (429).
+            FieldError: more members than the limit (400), or no room in time (429, ``retry_after``).
         """
         if members > self.limit:
             raise FieldError(
@@ -51,11 +43,11 @@ class MemberLimiter:
                     fits = lambda: self.in_flight + members <= self.limit  # noqa: E731
                     await asyncio.wait_for(self._room.wait_for(fits), self.queue_timeout)
             except TimeoutError:
-                raise CapacityError(
+                raise FieldError(
                     f"the server is at its limit of {self.limit} members in flight (--max-members-in-flight); "
                     f"{self.in_flight} are running. Retry later.",
-                    retry_after=max(1.0, math.ceil(self.queue_timeout)),
-                ) from None
+                    None, 429, "members_in_flight", retry_after=max(1.0, math.ceil(self.queue_timeout)),
+                ) from None  # fmt: skip
             self.in_flight += members
 
     async def release(self, members: int) -> None:

@@ -30,9 +30,10 @@ LEAST_LOADED = ""
 class FieldError(ValueError):
     """A request qmc-serve refuses (HTTP ``status``, OpenAI's error shape naming ``param``)."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None,
+                 retry_after: float | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+        self.param, self.status, self.code, self.retry_after = param, status, code, retry_after
 
     def body(self) -> dict[str, Any]:
         """The response body, in OpenAI's error shape."""

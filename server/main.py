@@ -7,6 +7,7 @@ as ``VLLM_API_KEY``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
@@ -21,12 +22,9 @@ SHUTDOWN_TIMEOUT_S = 30
 
 
 def _positive(text: str) -> int:
-    import argparse
-
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return int(text)
 
 
 def _vllm_cli() -> Any:

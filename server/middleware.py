@@ -274,20 +274,15 @@ class _Reply:
 
 async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:
     """The whole request body, or None once it passes ``limit`` (by Content-Length, or as it arrives)."""
-    length = dict(scope["headers"]).get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    length = dict(scope["headers"]).get(b"content-length", b"")
+    if length.isdigit() and int(length) > limit:
         return None
-    chunks, size, more = [], 0, True
-    while more:
+    body, more = bytearray(), True
+    while more and len(body) <= limit:
         message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        more = message.get("more_body", False)
-        if size > limit:
-            return None
-    return b"".join(chunks)
+        body += message.get("body", b"")
+        more = message["type"] == "http.request" and message.get("more_body", False)
+    return bytes(body) if len(body) <= limit else None
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -302,7 +297,7 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 async def _refuse(send: Any, error: FieldError, reason: str) -> None:
     METRICS.rejected.labels(reason).inc()
-    headers = [(b"retry-after", str(int(error.retry_after)).encode())] if hasattr(error, "retry_after") else []
+    headers = [(b"retry-after", str(int(error.retry_after)).encode())] if error.retry_after else []
     await _respond(send, error.status, error.body(), headers)
 
 

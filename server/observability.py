@@ -25,25 +25,18 @@ class RejectedBy:
     CLOSING = "shutting_down"
 
 
-class _Metrics:
-    def __init__(self) -> None:
-        self.members = Counter("qmc_serve_members", "Member requests sent to the engines", ["design"])
-        self.groups = Counter("qmc_serve_groups", "Groups sent to the engines", ["design"])
-        self.rejected = Counter("qmc_serve_rejected", "Requests refused", ["reason"])
-        self.in_flight = Gauge("qmc_serve_members_in_flight", "Member requests in the engines now",
-                               multiprocess_mode="livesum")  # fmt: skip
-
-
-METRICS = _Metrics()
+class METRICS:
+    members = Counter("qmc_serve_members", "Member requests sent to the engines", ["design"])
+    groups = Counter("qmc_serve_groups", "Groups sent to the engines", ["design"])
+    rejected = Counter("qmc_serve_rejected", "Requests refused", ["reason"])
+    in_flight = Gauge("qmc_serve_members_in_flight", "Member requests in the engines now", multiprocess_mode="livesum")
 
 
 def log_request(request_id: str | None, endpoint: str, design: str, n: int, seed: int | None, status: int,
                 latency_s: float) -> None:  # fmt: skip
     """Write the request's log line (see the module docstring)."""
     if not _log.handlers:  # vLLM configures its own loggers only
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        _log.addHandler(handler)
+        _log.addHandler(logging.StreamHandler())  # the default format: the message alone
         _log.setLevel(logging.INFO)
         _log.propagate = False
     line = {"event": "request", "id": request_id, "endpoint": endpoint, "design": design, "n": n, "seed": seed,
