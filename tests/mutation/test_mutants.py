@@ -119,9 +119,16 @@ MUTANTS = [
     Mutant(
         "top-k drops the k-th token",
         "qmc_sampler/processing.py",
-        'logits_sort = logits_sort.masked_fill(logits_sort < kth, float("-inf"))',
-        'logits_sort = logits_sort.masked_fill(logits_sort <= kth, float("-inf"))',
+        "return out.masked_fill((out < kth) & active",
+        "return out.masked_fill((out <= kth) & active",
         ("tests/core/test_processing.py",),
+    ),
+    Mutant(
+        "top-p without sorting keeps every tie at the cut",
+        "qmc_sampler/processing.py",
+        "keep = (keys > hi) | (tie & (from_the_top <= kept_ties))",
+        "keep = (keys > hi) | tie",
+        ("tests/core/test_processing.py::test_top_p_without_sorting_keeps_the_sorted_rules_set_ties_included",),
     ),
     Mutant(
         "an extra member takes a sibling's stream (member % n)",
