@@ -46,13 +46,25 @@ def _kernel():
     import triton.language as tl
 
     # Triton resolves the helpers a kernel calls among the module's globals, not a closure's.
-    global ordered_key
+    global ordered_key, kept_block
 
     @triton.jit
     def ordered_key(x):
         # The float32 value's order as an int64 (as qmc_sampler.processing.ordered_keys).
         bits = (x + 0.0).to(tl.int32, bitcast=True)
         return tl.where(bits >= 0, bits.to(tl.int64), -((bits & 0x7FFFFFFF).to(tl.int64)) - 1)
+
+    @triton.jit
+    def kept_block(base, lo, offs, vocab, cut, k_lo, p_key, id_cut, m, temperature):
+        # One block's keys, kept tokens (min-p, top-k, and top-p's cut: key above p_key, or at
+        # it from id_cut on) and their float64 weights exp((x − m)/T). Before the top-p cut is
+        # known, p_key below every key keeps everything top-k and min-p keep.
+        valid = lo + offs < vocab
+        x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
+        key = ordered_key(x)
+        keep = valid & (x >= cut) & (x > -float("inf")) & (key >= k_lo)
+        keep = keep & ((key > p_key) | ((key == p_key) & (lo + offs >= id_cut)))
+        return key, keep, tl.where(keep, tl.exp((x - m) / temperature), 0.0).to(tl.float64)
 
     @triton.jit
     def inverse_cdf_kernel(
@@ -112,10 +124,8 @@ def _kernel():
         if top_p < 1.0:
             kept_total = tl.zeros((), dtype=tl.float64)
             for lo in range(0, vocab, BLOCK_SIZE):
-                valid = lo + offs < vocab
-                x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
-                keep = valid & (x >= cut) & (x > -float("inf")) & (ordered_key(x) >= k_lo)
-                kept_total += tl.sum(tl.where(keep, tl.exp((x - m) / temperature), 0.0).to(tl.float64), axis=0)
+                _, _, w = kept_block(base, lo, offs, vocab, cut, k_lo, p_key, id_cut, m, temperature)
+                kept_total += tl.sum(w, axis=0)
             target = top_p * kept_total
             p_lo = tl.full((), no_key, tl.int64)  # mass(key > p_lo) >= target > mass(key > p_hi)
             p_hi = ordered_key(m)
@@ -123,27 +133,20 @@ def _kernel():
                 mid = p_lo + (p_hi - p_lo) // 2
                 mass = tl.zeros((), dtype=tl.float64)
                 for lo in range(0, vocab, BLOCK_SIZE):
-                    valid = lo + offs < vocab
-                    x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
-                    key = ordered_key(x)
-                    keep = valid & (x >= cut) & (x > -float("inf")) & (key >= k_lo) & (key > mid)
-                    mass += tl.sum(tl.where(keep, tl.exp((x - m) / temperature), 0.0).to(tl.float64), axis=0)
+                    key, _, w = kept_block(base, lo, offs, vocab, cut, k_lo, p_key, id_cut, m, temperature)
+                    mass += tl.sum(tl.where(key > mid, w, 0.0), axis=0)
                 below = mass < target
                 p_hi = tl.where(below, mid, p_hi)
                 p_lo = tl.where(below, p_lo, mid)
-            p_key = p_hi
             above = tl.zeros((), dtype=tl.float64)
             ties = 0
             tie_w = tl.zeros((), dtype=tl.float64)
             for lo in range(0, vocab, BLOCK_SIZE):
-                valid = lo + offs < vocab
-                x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
-                key = ordered_key(x)
-                keep = valid & (x >= cut) & (x > -float("inf")) & (key >= k_lo)
-                w = tl.where(keep, tl.exp((x - m) / temperature), 0.0).to(tl.float64)
-                above += tl.sum(tl.where(key > p_key, w, 0.0), axis=0)
-                ties += tl.sum((keep & (key == p_key)).to(tl.int32), axis=0)
-                tie_w = tl.maximum(tie_w, tl.max(tl.where(key == p_key, w, 0.0), axis=0))
+                key, keep, w = kept_block(base, lo, offs, vocab, cut, k_lo, p_key, id_cut, m, temperature)
+                above += tl.sum(tl.where(key > p_hi, w, 0.0), axis=0)
+                ties += tl.sum((keep & (key == p_hi)).to(tl.int32), axis=0)
+                tie_w = tl.maximum(tie_w, tl.max(tl.where(key == p_hi, w, 0.0), axis=0))
+            p_key = p_hi
             # Ties kept from the largest id down while the mass above them is < target.
             kept_ties = tl.minimum(tl.ceil((target - above) / tie_w), ties.to(tl.float64)).to(tl.int32)
             if kept_ties < ties:
@@ -156,7 +159,7 @@ def _kernel():
                     for lo in range(0, vocab, BLOCK_SIZE):
                         valid = lo + offs < vocab
                         x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
-                        tie = valid & (x >= cut) & (ordered_key(x) == p_key) & (lo + offs >= mid)
+                        tie = valid & (x >= cut) & (ordered_key(x) == p_hi) & (lo + offs >= mid)
                         count += tl.sum(tie.to(tl.int32), axis=0)
                     enough = count >= kept_ties
                     c_lo = tl.where(enough, mid, c_lo)
@@ -165,13 +168,8 @@ def _kernel():
 
         total = tl.zeros((), dtype=tl.float64)
         for lo in range(0, vocab, BLOCK_SIZE):
-            valid = lo + offs < vocab
-            x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
-            key = ordered_key(x)
-            keep = valid & (x >= cut) & (x > -float("inf")) & (key >= k_lo)
-            keep = keep & ((key > p_key) | ((key == p_key) & (lo + offs >= id_cut)))
-            w = tl.where(keep, tl.exp((x - m) / temperature), 0.0)
-            total += tl.sum(w.to(tl.float64), axis=0)
+            _, _, w = kept_block(base, lo, offs, vocab, cut, k_lo, p_key, id_cut, m, temperature)
+            total += tl.sum(w, axis=0)
 
         target = u * total
         acc = tl.zeros((), dtype=tl.float64)
@@ -181,12 +179,7 @@ def _kernel():
         last = -1
         last_w = tl.zeros((), dtype=tl.float64)
         for lo in range(0, vocab, BLOCK_SIZE):
-            valid = lo + offs < vocab
-            x = tl.load(base + lo + offs, mask=valid, other=-float("inf"))
-            key = ordered_key(x)
-            keep = valid & (x >= cut) & (x > -float("inf")) & (key >= k_lo)
-            keep = keep & ((key > p_key) | ((key == p_key) & (lo + offs >= id_cut)))
-            w = tl.where(keep, tl.exp((x - m) / temperature), 0.0).to(tl.float64)
+            _, _, w = kept_block(base, lo, offs, vocab, cut, k_lo, p_key, id_cut, m, temperature)
             cum = tl.cumsum(w, axis=0)
             crossing = (acc + cum > target) & (w > 0) & (token < 0)
             first = tl.min(tl.where(crossing, offs, BLOCK_SIZE), axis=0)
