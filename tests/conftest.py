@@ -94,6 +94,22 @@ def processed_reference():
     return reference_processed_probs
 
 
+def cut_rows(case: str, batch: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows where the top-k/top-p cut is hard to place: ``ties`` (six distinct logits, so the cut
+    falls inside a tie group), ``one value`` (every logit equal), ``flat`` and ``peaked`` normals."""
+    if case == "ties":
+        return torch.randint(0, 6, (batch, vocab), generator=gen).float()
+    if case == "one value":
+        return torch.full((batch, vocab), 0.25)
+    return torch.randn(batch, vocab, generator=gen) * (0.5 if case == "flat" else 4.0)
+
+
+@pytest.fixture(scope="session")
+def cut_rows_factory():
+    """:func:`cut_rows` as a fixture."""
+    return cut_rows
+
+
 @pytest.fixture(scope="session")
 def toy_factory():
     """:func:`make_toy_model` as a fixture."""

@@ -81,17 +81,14 @@ def test_interpreted_kernel_is_the_inverse_cdf_at_every_uniform(interpreted):
     ("case", "top_k", "min_p"),
     [("ties", 0, 0.0), ("ties", 400, 0.0), ("one value", 0, 0.0), ("flat", 0, 0.0), ("peaked", 30, 0.02)],
 )
-def test_interpreted_top_k_and_top_p_without_sorting_keep_the_reference_set(interpreted, case, top_k, min_p):
+def test_interpreted_top_k_and_top_p_without_sorting_keep_the_reference_set(
+    interpreted, cut_rows_factory, case, top_k, min_p
+):
     # Six distinct logits (ties): the top-p cut and the k-th largest fall inside tie groups,
     # where the larger ids are kept first; p from almost 0 to almost 1, one per row.
     gen = torch.Generator().manual_seed(11)
     batch, vocab = 12, 1000
-    if case == "ties":
-        logits = torch.randint(0, 6, (batch, vocab), generator=gen).float()
-    elif case == "one value":
-        logits = torch.full((batch, vocab), 0.25)
-    else:
-        logits = torch.randn(batch, vocab, generator=gen) * (0.5 if case == "flat" else 4.0)
+    logits = cut_rows_factory(case, batch, vocab, gen)
     u = torch.rand(batch, dtype=torch.float64, generator=gen)
     top_p = torch.rand(batch, generator=gen).clamp(1e-3, 0.999)
     top_p[0] = 1.0

@@ -85,18 +85,13 @@ def assert_agrees_with_reference(logits, u, args, order, min_same=0.9):
     ],
 )
 @pytest.mark.parametrize("order", ["id", "sorted"])
-def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperature, min_p, order):
+def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperature, min_p, order, cut_rows_factory):
     """The pivot search for the top-p cut (no sort) keeps the set vLLM's sort keeps,
     ties at the cut included (larger token ids first, as a stable ascending sort leaves
     them), for p from almost 0 (only the top tokens) to almost 1, one p per row."""
     gen = torch.Generator().manual_seed(vocab)
     batch = 48
-    if case == "ties":
-        logits = torch.randint(0, 6, (batch, vocab), generator=gen).float()
-    elif case == "one value":
-        logits = torch.full((batch, vocab), 0.25)
-    else:
-        logits = torch.randn(batch, vocab, generator=gen) * (0.5 if case == "flat" else 4.0)
+    logits = cut_rows_factory(case, batch, vocab, gen)
     u = torch.rand(batch, dtype=torch.float64, generator=gen)
     top_p = torch.cat([torch.tensor([1e-4, 0.01]), torch.linspace(0.05, 0.999, batch - 2)])
     args = (torch.full((batch,), temperature), torch.zeros(batch, dtype=torch.long), top_p, torch.full((batch,), min_p))
