@@ -19,6 +19,43 @@ FAMILY_ALPHA = 1e-3
 REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai")
 
 
+#: The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadgroup``), which take
+#: work in collection order: the costliest modules are collected first (serial seconds on a
+#: 2-core AMD EPYC, in brackets), so neither worker is left with a long one at the end.
+COSTLIEST_FIRST = (
+    "benchmarks/test_quick_forms.py",  # [200] each quick form starts its own servers
+    "mutation/test_mutants.py",  # [200] a pytest per mutant, some with an engine
+    "eval/test_endpoints.py",  # [190] two replicas, a third for the SIGTERM test
+    "vllm_plugin/test_vllm_openai_server.py",  # [90] two servers
+    "server/test_server.py",  # [60]
+    "server/test_data_parallel.py",  # [60]
+    "eval/test_runner.py",
+    "vllm_plugin/test_inactive_paths.py",
+    "server/test_production.py",
+    "integrations/test_trl.py",
+    "vllm_plugin/test_unsampleable_rows.py",
+    "hf/test_generate.py",
+)
+#: Modules whose tests share no costly fixture: each test is a unit of work of its own. Every
+#: other module is one unit (``xdist_group``), so its module-scoped engine or server starts once.
+SPREAD = ("benchmarks/test_quick_forms.py", "mutation/test_mutants.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
+def pytest_collection_modifyitems(config, items):
+    def module(item) -> str:
+        return item.nodeid.split("::")[0].removeprefix("tests/")
+
+    def rank(item) -> int:
+        name = module(item)
+        return COSTLIEST_FIRST.index(name) if name in COSTLIEST_FIRST else len(COSTLIEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+    for item in items:
+        if module(item) not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(module(item)))
+
+
 def pytest_configure(config):
     import importlib.util
     import os

@@ -64,11 +64,11 @@ def test_input_is_not_modified():
     torch.testing.assert_close(logits, before)
 
 
-vllm_ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler", reason="vLLM not installed")
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_equals_vllms_own_top_k_top_p_and_min_p(seed):
+    # Imported here: vLLM takes ~10 s to import, which the other tests (and the mutants that
+    # run them alone) need not pay.
+    vllm_ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler", reason="vLLM not installed")
     gen = torch.Generator().manual_seed(seed)
     batch, vocab = 8, 500
     logits = torch.randn(batch, vocab, generator=gen) * 3

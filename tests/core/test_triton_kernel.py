@@ -20,7 +20,7 @@ def test_the_kernel_under_tritons_interpreter():
     checks = Path(__file__).with_name("interpreted_triton_checks.py")
     env = os.environ | {"TRITON_INTERPRET": "1", "QMC_SAMPLER_BACKEND": "triton"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(checks)],
         capture_output=True,
         text=True,
         env=env,

@@ -107,21 +107,21 @@ MUTANTS = [
         "qmc_sampler/designs.py",
         "[_stratum_of_member(int(s), int(n))[m] for s, n, m in zip(seeds, ns, members, strict=True)]",
         "[m for s, n, m in zip(seeds, ns, members, strict=True)]",
-        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model",),
+        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model[stratified-plain-id-torch]",),
     ),
     Mutant(
         "sobol without its digital shift",
         "qmc_sampler/sobol.py",
         "    y ^= counter_hash(s, Purpose.SOBOL_SHIFT, d, 0) & np.uint64((1 << BITS) - 1)\n",
         "",
-        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model",),
+        ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model[sobol-plain-id-torch]",),
     ),
     Mutant(
         "top-k drops the k-th token",
         "qmc_sampler/processing.py",
         "return out.masked_fill((out < kth) & active",
         "return out.masked_fill((out <= kth) & active",
-        ("tests/core/test_processing.py",),
+        ("tests/core/test_processing.py::test_top_k_alone_keeps_each_rows_own_k",),
     ),
     Mutant(
         "top-p without sorting keeps every tie at the cut",
@@ -252,7 +252,8 @@ def run_killers(package: Path, killers: tuple[str, ...], engine: bool = False) -
     # The torch backend, so mutants of the Python processing are not bypassed by the C++ kernel.
     env = os.environ | {"PYTHONPATH": str(package), "QMC_SAMPLER_BACKEND": "torch"}
     marks = [] if engine else ["-m", "not vllm"]
-    args = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *marks, *killers]
+    # -n 0: the killers run in this one process (the suite's own pytest-xdist workers are enough).
+    args = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *marks, *killers]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
