@@ -8,7 +8,8 @@
   params)`` (slots are reused; no removal hook), ``apply_staged_writes()`` once
   the runner has written the request state (prompt and, after preemption, the
   output so far), and ``apply(logits, ctx)`` with ``ctx.idx_mapping_np`` mapping
-  rows to slots and ``ctx.pos`` the position of each row's last input token.
+  rows to slots, ``ctx.seq_lens_upper_bound_np`` each row's length on the host, and
+  ``ctx.input_ids`` each row's last input token on the device.
 
 Each adapter answers one question per step, :meth:`active`: which rows belong to
 which members, with every member synced to the engine's accepted count.
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, RowSampling
+import numpy as np
+from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, RowSampling, upload
 from qmc_sampler.vllm_plugin.request_args import read_request
 
 from qmc_sampler.processing import SAMPLING_EPS
@@ -160,7 +162,9 @@ class MRV2Slots:
             if slot not in present and slot not in self.away:
                 self.registry.park(member)
                 self.away.add(slot)
-        positions = ctx.pos.tolist() if hasattr(ctx.pos, "tolist") else list(ctx.pos)
+        # The host's sequence lengths are exact without speculative decoding (refused above
+        # and at admission); the device's positions would cost a wait every step.
+        positions = np.asarray(ctx.seq_lens_upper_bound_np)[: len(slots)] - 1
         prompt_len, prefill_len = self.req_states.prompt_len.np, self.req_states.prefill_len.np
         row_ids, members, accepted = [], [], []
         for row, slot in enumerate(slots):
@@ -177,7 +181,9 @@ class MRV2Slots:
             row_ids.append(row)
             members.append(member)
             accepted.append(int(positions[row]) - int(prompt_len[slot]) + 1)
-        self.registry.sync_all(members, accepted)
+        # Each row's input token is the request's last accepted one (decode) — on the device.
+        rows = upload(np.array(row_ids, dtype=np.int64), ctx.input_ids.device)
+        self.registry.sync_all(members, accepted, ctx.input_ids[rows])
         return row_ids, members
 
     def _release(self, slot: int) -> None:

@@ -35,11 +35,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from qmc_sampler.vllm_plugin.adapters import MRV2Slots, V1Rows
 from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
 from qmc_sampler.vllm_plugin.logprobs import PROCESSED_MODES, Capture, require_for
-from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry
+from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, upload
 from qmc_sampler.vllm_plugin.request_args import resolve
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
@@ -211,20 +212,21 @@ class _Batch:
         device: torch.device,
         temperature_applied: bool,
     ) -> _Batch:
-        def put(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+        def put(values: list, dtype: type[np.generic]) -> torch.Tensor:
+            # Pinned and asynchronous: Model Runner V2 reorders the rows at any step.
+            return upload(np.array(values, dtype=dtype), device)
 
         sampling = [(m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.min_p) for m in members]
         count = len(members)
-        temperature = put([1.0] * count if temperature_applied else [t for t, *_ in sampling], torch.float32)
+        temperature = put([1.0] * count if temperature_applied else [t for t, *_ in sampling], np.float32)
         # A filter no row asks for is off (None), so the kernels skip it.
-        top_k = put([k for _, k, _, _ in sampling], torch.int64) if any(k > 0 for _, k, _, _ in sampling) else None
-        top_p = put([p for _, _, p, _ in sampling], torch.float32) if any(p < 1 for _, _, p, _ in sampling) else None
+        top_k = put([k for _, k, _, _ in sampling], np.int64) if any(k > 0 for _, k, _, _ in sampling) else None
+        top_p = put([p for _, _, p, _ in sampling], np.float32) if any(p < 1 for _, _, p, _ in sampling) else None
         min_p = None
         if not temperature_applied and any(mp > 0 for *_, mp in sampling):
-            min_p = put([mp for *_, mp in sampling], torch.float32)
+            min_p = put([mp for *_, mp in sampling], np.float32)
         whole = row_ids == list(range(rows))  # every row, in order: no copy
-        return cls(key, put(row_ids, torch.int64), put([m.slot for m in members], torch.int64), whole,
+        return cls(key, put(row_ids, np.int64), put([m.slot for m in members], np.int64), whole,
                    (temperature, top_k, top_p, min_p), sampling)  # fmt: skip
 
 

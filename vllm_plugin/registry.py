@@ -51,18 +51,44 @@ from qmc_sampler.group import PRECISION_FLOOR, MemberState
 from qmc_sampler.inverse_cdf import Draw
 from qmc_sampler.kernels import fused_draw
 
-__all__ = ["DevicePool", "Member", "MemberRegistry", "Pending", "RowSampling", "token_history"]
+__all__ = [
+    "DevicePool",
+    "Member",
+    "MemberRegistry",
+    "Pending",
+    "RowSampling",
+    "extend_history",
+    "token_history",
+    "upload",
+]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
-_HASH_MOD = (1 << 61) - 1
+# Two 31-bit polynomial hashes side by side, one int64: each step's product stays below
+# 2^51, so the device extends the hash in int64 arithmetic exactly as the host does.
+_HASHES = ((2_147_483_647, 1_000_003), (2_147_483_629, 999_983))  # (prime modulus, multiplier)
+_LOW = (1 << 31) - 1
 
 
 def token_history(tokens: Sequence[int], h: int = 0) -> int:
-    """A rolling hash of a token sequence, continued from ``h`` (equal sequences, equal hashes)."""
+    """A rolling hash of a token sequence, continued from ``h`` (equal sequences, equal hashes).
+
+    Returns a value in [0, 2^62): two polynomial hashes modulo primes below 2^31, packed.
+    """
+    (p1, m1), (p2, m2) = _HASHES
+    high, low = h >> 31, h & _LOW
     for t in tokens:
-        h = (h * 1_000_003 + int(t) + 2) % _HASH_MOD
-    return h
+        high = (high * m1 + int(t) + 2) % p1
+        low = (low * m2 + int(t) + 2) % p2
+    return (high << 31) | low
+
+
+def extend_history(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`token_history` of one more token per row, on the device (``h``, ``tokens``: ``[rows] int64``)."""
+    (p1, m1), (p2, m2) = _HASHES
+    high = ((h >> 31) * m1 + tokens + 2) % p1
+    low = ((h & _LOW) * m2 + tokens + 2) % p2
+    return (high << 31) | low
 
 
 @dataclass(frozen=True)
@@ -95,8 +121,8 @@ class Member:
     """One request (one member of a group) with a design.
 
     While the member is in the batch (``slot >= 0``) its numbers live in the registry's
-    :class:`DevicePool` and ``state.code``/``width``/``fresh`` and ``pending`` are stale;
-    ``state.step`` and ``history`` are always the host's. Parking reads the pool row back.
+    :class:`DevicePool` and ``state.code``/``width``/``fresh``, ``pending`` and ``history``
+    are stale; ``state.step`` is always the host's. Parking reads the pool row back.
     """
 
     placement: Placement
@@ -146,15 +172,18 @@ class DevicePool:
     """The numbers of the members in the batch, one row each, on the logits' device.
 
     Columns: ``code``, ``width``, the pending draw (``u``, ``start``, ``prob``,
-    ``token``, ``ours``: drawn by us rather than left to the engine), ``fresh``, and
-    per member constants (``carries``: a code design; ``alone``: the width below
-    which it goes fresh), and event counts the host reads at parking (``lost``: the
-    engine accepted another token than ours; ``left``: the engine sampled the row).
+    ``token``, ``ours``: drawn by us rather than left to the engine), ``fresh``,
+    ``history`` (:func:`token_history` of the committed tokens), ``seen`` (the token
+    the engine accepted for the row, where the host does not know it: our pending
+    token, or what the runner reports on the device), per member constants
+    (``carries``: a code design; ``alone``: the width below which it goes fresh), and
+    event counts the host reads at parking (``lost``: the engine accepted another
+    token than ours; ``left``: the engine sampled the row).
     It lives on the CPU until the first draw names the device.
     """
 
     FLOATS = ("code", "width", "u", "start", "prob", "alone")
-    INTS = ("token", "lost", "left")
+    INTS = ("token", "seen", "history", "lost", "left")
     BOOLS = ("fresh", "ours", "carries")
 
     def __init__(self, capacity: int = 64) -> None:
@@ -211,7 +240,7 @@ class MemberRegistry:
     pool: DevicePool = field(default_factory=DevicePool)
     _parked: OrderedDict[int, Member] = field(default_factory=OrderedDict)  # LRU over all groups
     _parked_by_group: dict[Hashable, dict[int, Member]] = field(default_factory=dict)
-    _commits: list[tuple[Member, int]] = field(default_factory=list)  # accepted draws not yet carried
+    _commits: list[tuple[Member, int, bool]] = field(default_factory=list)  # (member, token or -1, we drew it)
     _go_fresh: list[Member] = field(default_factory=list)  # carry members the host saw lose their code
     _active: dict[int, Member] = field(default_factory=dict)  # pool row -> member in the batch
 
@@ -306,7 +335,7 @@ class MemberRegistry:
         """Make ``pending`` the member's draw in doubt, as :meth:`draw` would (for a draw made elsewhere)."""
         self._flush()
         self.pool.put(member.slot, u=pending.uniform, start=pending.start, prob=pending.prob, token=pending.token,
-                      ours=True)  # fmt: skip
+                      seen=pending.token, ours=True)  # fmt: skip
         member.drew = True
 
     # ---- the draw cycle -----------------------------------------------------
@@ -322,34 +351,33 @@ class MemberRegistry:
         if accepted == state.step:
             member.drew = False  # the last draw was discarded (or none made yet): redraw
             return
-        known = last_token not in (None, -1)
-        if engine_drew and accepted == state.step + 1:
-            # The engine chose this token itself: nothing to carry, and the code's
-            # coupling is gone, so carry designs continue with fresh uniforms.
-            self._fresh_from_now(member)
+        if accepted == state.step + 1 and (engine_drew or member.drew):
+            # Committed on the device with the next draw: carried if the token is the one we
+            # drew; if the engine chose it (engine_drew), nothing is carried and a code design
+            # continues with fresh uniforms. Unknown tokens are the device's `seen`.
+            token = -1 if last_token is None else int(last_token)
+            self._commits.append((member, token, not engine_drew))
+            if engine_drew:
+                self._fresh_from_now(member)
             state.step = accepted
-            member.history = token_history([last_token], member.history) if known else -1
-            return
-        if accepted == state.step + 1 and member.drew:
-            if not known:  # Model Runner V2 does not say: our pending token is the one (read back)
-                last_token = int(self.pool.token[member.slot].item())  # (sync_all reads a batch at once)
-            self._commits.append((member, int(last_token)))  # carried on the device, with the next draw
-            state.step = accepted
-            member.history = token_history([int(last_token)], member.history)
             member.drew = False
             return
         self._lose(member, accepted)
 
-    def sync_all(self, members: Sequence[Member], accepted: Sequence[int]) -> None:
-        """:meth:`sync` for a batch whose last tokens the host does not know (Model Runner V2):
-        the pending tokens of the members that were accepted are read back in one transfer."""
-        need = [m for m, a in zip(members, accepted, strict=True) if m.drew and a == m.state.step + 1]
-        tokens: dict[int, int] = {}
-        if need:
-            slots = _upload(np.array([m.slot for m in need], dtype=np.int64), self.pool.device)
-            tokens = dict(zip(map(id, need), self.pool.token[slots].tolist(), strict=True))
+    def sync_all(self, members: Sequence[Member], accepted: Sequence[int], last_tokens: torch.Tensor) -> None:
+        """:meth:`sync` for a batch whose last tokens only the device knows (Model Runner V2).
+
+        Args:
+            accepted: per member, the engine's count of its accepted tokens.
+            last_tokens: ``[len(members)] int64`` on the device, each member's last accepted token
+                (meaningful where the count moved); never read by the host.
+        """
+        if members:
+            self.pool.to(last_tokens.device)
+            slots = upload(np.array([m.slot for m in members], dtype=np.int64), self.pool.device)
+            self.pool.seen[slots] = last_tokens.long()
         for m, a in zip(members, accepted, strict=True):
-            self.sync(m, a, tokens.get(id(m)))
+            self.sync(m, a, None)
 
     def draw(
         self,
@@ -380,8 +408,8 @@ class MemberRegistry:
         designed, fresh = self._host_uniforms(members)
         pool = self.pool
         u = torch.where(
-            pool.fresh[slots], _upload(fresh, device), torch.where(pool.carries[slots], pool.code[slots],
-                                                                   _upload(designed, device)))  # fmt: skip
+            pool.fresh[slots], upload(fresh, device), torch.where(pool.carries[slots], pool.code[slots],
+                                                                   upload(designed, device)))  # fmt: skip
         orders = {m.state.spec.order for m in members}
         if len(orders) == 1:
             draw = fused_draw(logits, u, temperature, top_k, top_p, min_p, orders.pop(), check=False)
@@ -389,6 +417,7 @@ class MemberRegistry:
             draw = self._draw_by_order(logits, members, u, temperature, top_k, top_p, min_p)
         pool.u[slots], pool.start[slots], pool.prob[slots] = u, draw.starts, draw.probs
         pool.token[slots], pool.ours[slots] = draw.tokens, draw.tokens >= 0
+        pool.seen[slots] = draw.tokens  # the engine takes our token (the runner may say otherwise)
         now = self.resolver.clock()
         for m in members:
             m.drew = True
@@ -442,7 +471,7 @@ class MemberRegistry:
         starts = torch.empty(len(members), dtype=torch.float64, device=logits.device)
         probs = torch.empty_like(starts)
         for order in {m.state.spec.order for m in members}:
-            rows = _upload(np.array([j for j, m in enumerate(members) if m.state.spec.order == order]), logits.device)
+            rows = upload(np.array([j for j, m in enumerate(members) if m.state.spec.order == order]), logits.device)
             k, p, mp = (None if t is None else t[rows] for t in (top_k, top_p, min_p))
             part = fused_draw(logits[rows], u[rows], temperature[rows], k, p, mp, order, check=False)
             tokens[rows], starts[rows], probs[rows] = part.tokens, part.starts, part.probs
@@ -452,19 +481,34 @@ class MemberRegistry:
         """Carry the accepted draws and apply the host's fresh switches, on the device."""
         pool = self.pool
         if self._go_fresh:
-            slots = _upload(np.array([m.slot for m in self._go_fresh], dtype=np.int64), pool.device)
+            slots = upload(np.array([m.slot for m in self._go_fresh], dtype=np.int64), pool.device)
             pool.fresh[slots] = pool.carries[slots] | pool.fresh[slots]
             self._go_fresh = []
-        if not self._commits:
-            return
-        slots = _upload(np.array([m.slot for m, _ in self._commits], dtype=np.int64), pool.device)
-        accepted = _upload(np.array([t for _, t in self._commits], dtype=np.int64), pool.device)
-        self._commits = []
-        ours, carries = pool.ours[slots], pool.carries[slots]
+        commits, self._commits = self._commits, []
+        while commits:
+            # A member committed twice between draws (a step left to the engine draws nothing)
+            # is carried in rounds: one scatter must not hold one pool row twice.
+            now, later, rows = [], [], set()
+            for commit in commits:
+                (later if commit[0].slot in rows else now).append(commit)
+                rows.add(commit[0].slot)
+            self._carry(now)
+            commits = later
+
+    def _carry(self, commits: list[tuple[Member, int, bool]]) -> None:
+        """One round of :meth:`_flush`: commits of distinct members."""
+        pool = self.pool
+        slots = upload(np.array([m.slot for m, _, _ in commits], dtype=np.int64), pool.device)
+        told = upload(np.array([t for _, t, _ in commits], dtype=np.int64), pool.device)
+        drew = upload(np.array([d for _, _, d in commits], dtype=np.bool_), pool.device)
+        accepted = torch.where(told >= 0, told, pool.seen[slots])
+        pool.history[slots] = extend_history(pool.history[slots], accepted)
+        ours, carries = drew & pool.ours[slots], pool.carries[slots]
         mine = ours & (pool.token[slots] == accepted)
-        # The engine sampled the row (we could not), or accepted another token than ours:
-        # nothing to carry, and a code design's coupling is gone (fresh from now on).
-        pool.left[slots] += (~ours).long()
+        # The kernel could not draw from the row (the engine sampled it), or the engine
+        # accepted another token than ours: nothing to carry, and a code design's coupling
+        # is gone (fresh from now on). A row the host left to the engine is counted there.
+        pool.left[slots] += (drew & ~ours).long()
         pool.lost[slots] += (ours & ~mine).long()
         fresh = pool.fresh[slots] | (carries & ~mine)
         carry = mine & carries & ~fresh
@@ -493,8 +537,9 @@ class MemberRegistry:
         p = member.pending
         self.pool.put(
             member.slot, code=state.code or 0.0, width=state.width, fresh=state.fresh, carries=design.carries,
-            alone=alone, lost=0, left=0, ours=p is not None, u=p.uniform if p else 0.0, start=p.start if p else 0.0,
-            prob=p.prob if p else 1.0, token=p.token if p else -1,
+            alone=alone, lost=0, left=0, history=member.history, ours=p is not None, u=p.uniform if p else 0.0,
+            start=p.start if p else 0.0, prob=p.prob if p else 1.0, token=p.token if p else -1,
+            seen=p.token if p else -1,
         )  # fmt: skip
         member.drew = p is not None
         member.pending = None
@@ -516,6 +561,7 @@ class MemberRegistry:
         if get_design(state.spec.method).carries and not row["fresh"]:
             state.code, state.width = row["code"], row["width"]
         state.fresh = bool(row["fresh"])
+        member.history = int(row["history"])
         # A draw in doubt; none where the engine sampled the row itself (it has no interval of ours).
         drew = member.drew and bool(row["ours"])
         member.pending = Pending(row["u"], row["start"], row["prob"], int(row["token"])) if drew else None
@@ -559,6 +605,10 @@ class MemberRegistry:
         state.step = accepted
         member.pending = None
         member.drew = False
+        member.history = -1  # the tokens it skipped are unknown here: never matched by history again
+        if member.slot >= 0:
+            self._flush()
+            self.pool.put(member.slot, history=-1)
         logger.warning(
             "qmc-sampler: member %d of group %s lost its carried state at step %d; it continues with "
             "fresh uniforms (still an exact sample). Lost so far: %d",
@@ -592,7 +642,7 @@ class MemberRegistry:
                 del self._parked_by_group[member.group_key]
 
 
-def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host values on ``device`` without waiting: through pinned memory, copied asynchronously
     (torch's pinned-memory allocator keeps the block until the copy is done)."""
     host = torch.from_numpy(np.ascontiguousarray(values))

@@ -164,12 +164,29 @@ MUTANTS = [
     Mutant(
         "a row left to the engine is read as a lost carry",
         "vllm_plugin/registry.py",
-        "if engine_drew and accepted == state.step + 1:",
-        "if False:",
+        "self._commits.append((member, token, not engine_drew))",
+        "self._commits.append((member, token, True))",
         (
             "tests/vllm_plugin/test_registry.py::"
             "test_a_row_left_to_the_engine_is_counted_once_and_its_member_goes_on_fresh",
         ),
+    ),
+    Mutant(
+        "two commits of one member between draws scattered at once (the first is lost)",
+        "vllm_plugin/registry.py",
+        "(later if commit[0].slot in rows else now).append(commit)",
+        "now.append(commit)",
+        (
+            "tests/vllm_plugin/test_registry.py::"
+            "test_a_row_left_to_the_engine_is_counted_once_and_its_member_goes_on_fresh",
+        ),
+    ),
+    Mutant(
+        "Model Runner V2's accepted tokens taken to be our draws",
+        "vllm_plugin/registry.py",
+        "            self.pool.seen[slots] = last_tokens.long()\n",
+        "",
+        ("tests/vllm_plugin/test_registry.py::test_model_runner_v2s_tokens_are_taken_on_the_device",),
     ),
     Mutant(
         "the plugin's device carry does not divide by the token's probability",

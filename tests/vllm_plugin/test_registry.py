@@ -6,7 +6,7 @@ import weakref
 import numpy as np
 import torch
 from qmc_sampler.vllm_plugin.grouping import GroupResolver
-from qmc_sampler.vllm_plugin.registry import MemberRegistry, Pending, RowSampling, token_history
+from qmc_sampler.vllm_plugin.registry import MemberRegistry, Pending, RowSampling, extend_history, token_history
 from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
 
 from qmc_sampler.group import member_uniforms
@@ -60,6 +60,29 @@ def test_a_token_the_engine_chose_instead_is_counted_and_the_member_goes_on_fres
     reg.record_draw(m, Pending(uniform=0.5, start=0.25, prob=0.5, token=7))
     reg.sync(m, 1, 8)  # the engine accepted 8, not our 7 (found on the device, counted when read)
     assert reg.settle(m).fresh and reg.counters().lost == 1 and m.history == token_history([8])
+
+
+def test_the_device_extends_a_token_history_exactly_as_the_host_does():
+    gen = np.random.default_rng(0)
+    tokens = gen.integers(0, 262_144, size=(64, 40))  # vocabularies up to 2^18
+    device_h = torch.zeros(64, dtype=torch.int64)
+    for step in range(tokens.shape[1]):
+        device_h = extend_history(device_h, torch.from_numpy(tokens[:, step]))
+    assert device_h.tolist() == [token_history(row) for row in tokens.tolist()]
+    assert len(set(device_h.tolist())) == 64 and all(0 <= h < 2**62 for h in device_h.tolist())
+    assert token_history([5, 6]) != token_history([6, 5]) and token_history([0]) != token_history([])
+
+
+def test_model_runner_v2s_tokens_are_taken_on_the_device():
+    # MRV2: the host knows counts only; the accepted tokens are the runner's device tensor.
+    reg = MemberRegistry()
+    ours, other = admit(reg), admit(reg)
+    for m in (ours, other):
+        reg.record_draw(m, Pending(uniform=0.6, start=0.5, prob=0.25, token=9))
+    reg.sync_all([ours, other], [1, 1], torch.tensor([9, 4]))  # the runner fed 9 and 4
+    assert abs(reg.settle(ours).code - 0.4) < 1e-12  # (u - start) / q, carried
+    assert ours.history == token_history([9]) and not ours.state.fresh
+    assert reg.settle(other).fresh and other.history == token_history([4]) and reg.counters().lost == 1
 
 
 def test_a_row_the_kernel_cannot_draw_from_is_left_to_the_engine_and_counted():
@@ -195,6 +218,6 @@ def test_a_row_left_to_the_engine_is_counted_once_and_its_member_goes_on_fresh()
     accept(reg, member, token=7, accepted=1)
     reg.leave_to_engine([member], "its logits are NaN or all -inf")
     reg.sync(member, 2, 11)  # the engine chose token 11 itself
-    assert member.state.step == 2 and member.state.fresh
+    assert member.state.step == 2 and reg.settle(member).fresh
     assert member.history == token_history([7, 11])  # still found again after a preemption
     assert (reg.stats.unsampleable, reg.stats.lost) == (1, 0)
