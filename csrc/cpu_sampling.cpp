@@ -1,17 +1,19 @@
 // Fused inverse-CDF sampling on the CPU: temperature, min-p, top-k, top-p, CDF, choice.
 //
-// One row per task of ATen's parallel_for (torch's own OpenMP pool). Per row:
+// One row per task of ATen's parallel_for (torch's own OpenMP pool); with fewer rows than
+// threads, one row at a time with its block passes split over the threads. Per row:
 //   1. max logit m (vectorised; NaN counted);
 //   2. thresholds in logit space: min-p keeps x >= m + T*log(min_p) (p_j/p_max >= min_p),
 //      top-k keeps x >= the k-th largest (ties kept), exactly vLLM's rules
 //      (vllm/v1/sample/logits_processor/builtin.py, ops/topk_topp_sampler.py). With
 //      top-k the k largest come from a size-k heap and only they are exponentiated;
 //   3. weights w_j = exp((x_j - m)/T) for kept tokens (float, vectorised polynomial exp),
-//      summed per block of BLOCK tokens;
+//      summed per block of BLOCK tokens; with top-p also the mass above four pivots;
 //   4. top-p (if p < 1): over the kept tokens in ascending (logit, id) order, drop
 //      those whose cumulative probability is <= 1 - p, keeping the largest (vLLM). No
-//      sort: on the dense row a pivot search finds the cut (top_p_in_place); after top-k,
-//      the <= k kept tokens are ordered by a partial sort (apply_top_p);
+//      sort: on the dense row a search from the pivots' bracket finds the cut
+//      (top_p_in_place); after top-k, the <= k kept tokens are ordered by a partial sort
+//      (apply_top_p);
 //   5. the CDF walk in the chosen order: the first token whose cumulative weight
 //      exceeds u * total; in token-id order whole blocks are skipped by their sums.
 // A row with NaN or no finite logit gets token -1 (the Python caller raises ValueError).
@@ -68,6 +70,97 @@ struct RowResult {
 };
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// Scratch buffers of one thread, reused across its rows.
+struct Scratch {
+  std::vector<float> w, wt, cx, cw, block_max, block_min, pivot_mass;
+  std::vector<double> block_sum;
+  std::vector<int64_t> idx;
+  std::vector<int32_t> block_nans, pivot_count;
+};
+
+// The per-block loops, as functions of plain values and unaliased pointers: inside the
+// lambdas of over_blocks, captured references kept GCC from vectorising them (~8x slower).
+
+void block_extremes(const float* __restrict x, int64_t lo, int64_t hi, float& max_out, float& min_out,
+                    int32_t& nans_out) {
+  float m = NEG_INF, x_min = std::numeric_limits<float>::infinity();
+  int32_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(min : x_min) reduction(+ : nans)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float xj = x[j];
+    m = xj > m ? xj : m;
+    x_min = xj < x_min ? xj : x_min;
+    nans += xj != xj;
+  }
+  max_out = m, min_out = x_min, nans_out = nans;
+}
+
+// w_j = exp((x_j - m)/T) where x_j >= min_p_cut, else 0; returns the block's float sum.
+float block_weights(const float* __restrict x, float* __restrict w, int64_t lo, int64_t hi, float m, float inv_t,
+                    float min_p_cut) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float z = (x[j] - m) * inv_t;
+    const float e = exp_nonpositive(z);
+    // Masked (below the min-p cut, or -inf) and float32-underflowing tokens weigh exactly 0.
+    const bool keep = (x[j] >= min_p_cut) & (z > -87.0f);  // bitwise: no branch, so it vectorises
+    const float wj = keep ? e : 0.0f;
+    w[j] = wj;
+    s += wj;
+  }
+  return s;
+}
+
+// The mass and count of positive weights above each of four pivots (t0 > t1 > t2 > t3).
+void block_pivot_sums(const float* __restrict x, const float* __restrict w, int64_t lo, int64_t hi, float t0,
+                      float t1, float t2, float t3, float* __restrict mass, int32_t* __restrict count) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  int32_t n0 = 0, n1 = 0, n2 = 0, n3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, n0, n1, n2, n3)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float xj = x[j], wj = w[j];
+    const bool p = wj > 0.0f;
+    const bool u0 = p & (xj > t0), u1 = p & (xj > t1), u2 = p & (xj > t2), u3 = p & (xj > t3);
+    a0 += u0 ? wj : 0.0f;
+    a1 += u1 ? wj : 0.0f;
+    a2 += u2 ? wj : 0.0f;
+    a3 += u3 ? wj : 0.0f;
+    n0 += u0 ? 1 : 0;
+    n1 += u1 ? 1 : 0;
+    n2 += u2 ? 1 : 0;
+    n3 += u3 ? 1 : 0;
+  }
+  mass[0] = a0, mass[1] = a1, mass[2] = a2, mass[3] = a3;
+  count[0] = n0, count[1] = n1, count[2] = n2, count[3] = n3;
+}
+
+// Keeps w_j where x_j >= x_star (zero elsewhere); returns the block's float sum.
+float block_keep(const float* __restrict x, float* __restrict w, int64_t lo, int64_t hi, float x_star) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float wj = x[j] >= x_star ? w[j] : 0.0f;
+    w[j] = wj;
+    s += wj;
+  }
+  return s;
+}
+
+// fn(first_block, end_block) over [0, blocks): split across torch's threads when called outside
+// a parallel region (a batch smaller than the thread count, rows one after another), inline
+// within one (rows in parallel). Every per-block result is combined in block order, so the
+// numbers do not depend on the split.
+template <typename F>
+void over_blocks(int64_t blocks, const F& fn) {
+  at::parallel_for(0, blocks, 1, fn);
+}
+
+// Top-p pivots in units of T below the largest logit: the mass above each is summed in the
+// weights' pass, so the search starts from a bracket instead of the whole row.
+constexpr int PIVOTS = 4;
+constexpr float PIVOT_Z[PIVOTS] = {-1.0f, -3.0f, -6.0f, -12.0f};
 
 // vLLM's top-p over a kept set given as (index, weight) pairs: order tokens by
 // ascending (logit, id); drop those whose ascending cumulative probability is <= 1 - p
@@ -150,32 +243,33 @@ int64_t compact_candidates(const float* px, const float* pw, int64_t n, float lo
   return k;
 }
 
-// vLLM's top-p over the dense weights without sorting: find the cut (x*, id*) such
-// that the kept set {x > x*} ∪ {x == x*, id >= id*} is exactly the descending (logit, id)
-// prefix whose mass strictly above each member is < p * total. x* is the largest logit
-// value with mass(x >= x*) >= p * total, found by a pivot search with exact termination
-// (as vLLM's pivot-based GPU top-k/top-p): at a pivot θ with A = mass(x > θ) >= target,
-// the smallest logit above θ is x* when A minus that logit's own mass is < target. Each
-// step is one vectorised pass (masked sum, min, max, count) over the current candidates,
-// which are compacted once few enough. Then the kept weights replace w (others become 0).
-// Block sums are recomputed over the kept weights. Returns the kept mass.
-double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std::vector<double>& block_sum,
-                      double total, float top_p, float x_min, float x_max, std::vector<float>& cx,
-                      std::vector<float>& cw) {
-  const double target = static_cast<double>(top_p) * total;
+struct Bracket {
+  float lo, hi;      // mass(x > lo) >= target > mass(x > hi)
+  float cmin, cmax;  // bounds of the candidates' logits (lo < x <= hi, w > 0)
+  double base;       // mass(x > hi)
+  int64_t n_cand;    // at most this many candidates
+};
+
+struct Cut {
+  float x_star;       // the smallest kept logit
+  double above_star;  // mass(x > x*)
+  int32_t ties;       // tokens at x*
+};
+
+// The search from a bracket. False if the bracket proves inconsistent with this search's own
+// sums (a pivot bracket summed in another order can be, within rounding): no candidate left,
+// or no progress; the caller then searches the whole row.
+bool find_cut(const float* x, const float* w, int64_t vocab, double target, Bracket b, std::vector<float>& cx,
+              std::vector<float>& cw, Cut& cut) {
   constexpr float POS_INF = std::numeric_limits<float>::infinity();
-  // Invariant: mass(x > lo) >= target > mass(x > hi), so lo < x* <= hi. Candidates: tokens
-  // of positive weight with lo < x <= hi, their logits within [cmin, cmax], at most n_cand
-  // of them; base = mass(x > hi). The caller's x_min is a lower bound of the smallest.
-  float lo = NEG_INF, hi = POS_INF, cmin = x_min, cmax = x_max;
-  double base = 0.0;
+  float lo = b.lo, hi = b.hi, cmin = b.cmin, cmax = b.cmax;
+  double base = b.base;
   const float* px = x;
-  const float* pw = w.data();
-  int64_t n = vocab, n_cand = vocab;
-  float x_star = NEG_INF;
-  double above_star = 0.0;  // mass(x > x*)
-  int32_t ties = 0;         // tokens at x*
-  while (true) {
+  const float* pw = w;
+  int64_t n = vocab, n_cand = b.n_cand;
+  // Value bisection on floats, and exact jumps to ml/mb: far fewer steps than this.
+  for (int step = 0; step < 512; ++step) {
+    if (!(cmin <= cmax)) return false;
     if (n_cand * 4 <= n) {
       // Candidates are a small part of the array: compact them (in place once in cx; the
       // packing never writes past what it has read).
@@ -217,14 +311,18 @@ double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std:
       }
       a += s;
     }
-    if (a >= target) {
+    // Every candidate is above θ = lo: their mass is all there is, so the smallest of them is
+    // the cut even if rounding left a a hair below the target.
+    const bool all_in = !(theta > lo);
+    if (a >= target || all_in) {
+      if (n_above == 0) return false;
       // Done if the smallest logit above θ is the cut: the mass above it is < target. Its
       // tokens weigh wl each and are at most n_above: when even that bound leaves the mass
       // above them >= target, no counting pass is needed. (Were the float exp not monotone,
       // a bound too small would only postpone the end to a later step: never a wrong cut.)
       double m_mass = static_cast<double>(wl) * n_above;
       int32_t m_count = n_above;
-      if (n_above > 1 && a - m_mass < target) {
+      if (n_above > 1 && (a - m_mass < target || all_in)) {
         m_mass = 0.0;
         m_count = 0;
         for (int64_t begin = 0; begin < n; begin += BLOCK) {
@@ -240,11 +338,9 @@ double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std:
           m_mass += s;
         }
       }
-      if (a - m_mass < target) {
-        x_star = ml;
-        above_star = a - m_mass;
-        ties = m_count;
-        break;
+      if (a - m_mass < target || all_in) {
+        cut = {ml, a - m_mass, m_count};
+        return true;
       }
       lo = theta;
       cmin = ml;
@@ -256,6 +352,30 @@ double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std:
       n_cand -= n_above;
     }
   }
+  return false;
+}
+
+// vLLM's top-p over the dense weights without sorting: find the cut (x*, id*) such
+// that the kept set {x > x*} ∪ {x == x*, id >= id*} is exactly the descending (logit, id)
+// prefix whose mass strictly above each member is < p * total. x* is the largest logit
+// value with mass(x >= x*) >= p * total, found by a pivot search with exact termination
+// (as vLLM's pivot-based GPU top-k/top-p): at a pivot θ with A = mass(x > θ) >= target,
+// the smallest logit above θ is x* when A minus that logit's own mass is < target. Each
+// step is one vectorised pass (masked sum, min, max, count) over the current candidates,
+// which are compacted once few enough; it starts from the bracket of the caller's pivot
+// sums. Then the kept weights replace w (others become 0), and the block sums are
+// recomputed over them. Returns the kept mass.
+double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std::vector<double>& block_sum,
+                      double total, float top_p, Bracket start, float lowest, float x_max, std::vector<float>& cx,
+                      std::vector<float>& cw) {
+  const double target = static_cast<double>(top_p) * total;
+  Cut cut{NEG_INF, 0.0, 0};  // kept: everything (only if even the whole-row search fails)
+  const Bracket whole{NEG_INF, std::numeric_limits<float>::infinity(), lowest, x_max, 0.0, vocab};
+  if (!find_cut(x, w.data(), vocab, target, start, cx, cw, cut))
+    if (!find_cut(x, w.data(), vocab, target, whole, cx, cw, cut)) cut = {NEG_INF, 0.0, 0};
+  const float x_star = cut.x_star;
+  const double above_star = cut.above_star;
+  const int32_t ties = cut.ties;
   // Ties at x*: the larger ids sit above (vLLM's ascending sort, stable here) and are kept
   // while the mass above them is < target.
   int64_t id_cut = 0;
@@ -271,28 +391,26 @@ double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std:
   // Keep x > x*, and at x* the ids >= id_cut (all of them when there is one token at x*).
   // Two loops so the common one compares values only (a per-index test kept GCC scalar), and
   // through a raw pointer (stores through the vector itself were not vectorised: ~7x slower).
-  double kept = 0.0;
   float* wp = w.data();
-  for (size_t b = 0; b < block_sum.size(); ++b) {
-    const int64_t begin = static_cast<int64_t>(b) * BLOCK, end = std::min(vocab, begin + BLOCK);
-    float s = 0.0f;
-    if (ties <= 1 || id_cut <= begin) {
-#pragma omp simd reduction(+ : s)
-      for (int64_t j = begin; j < end; ++j) {
-        const float wj = x[j] >= x_star ? wp[j] : 0.0f;
-        wp[j] = wj;
-        s += wj;
+  const int64_t blocks = static_cast<int64_t>(block_sum.size());
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t begin = b * BLOCK, end = std::min(vocab, begin + BLOCK);
+      float s = 0.0f;
+      if (ties <= 1 || id_cut <= begin) {
+        s = block_keep(x, wp, begin, end, x_star);
+      } else {
+        for (int64_t j = begin; j < end; ++j) {
+          const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
+          wp[j] = keep ? wp[j] : 0.0f;
+          s += wp[j];
+        }
       }
-    } else {
-      for (int64_t j = begin; j < end; ++j) {
-        const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
-        wp[j] = keep ? wp[j] : 0.0f;
-        s += wp[j];
-      }
+      block_sum[b] = s;
     }
-    block_sum[b] = s;
-    kept += s;
-  }
+  });
+  double kept = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) kept += block_sum[b];
   return kept;
 }
 
@@ -315,21 +433,29 @@ RowResult walk(const std::vector<int64_t>& idx, const std::vector<float>& wt, do
 }
 
 RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
-                     double u, bool sorted_order, std::vector<float>& w, std::vector<double>& block_sum,
-                     std::vector<int64_t>& idx, std::vector<float>& wt, std::vector<float>& cx,
-                     std::vector<float>& cw) {
+                     double u, bool sorted_order, Scratch& sc) {
   const float inv_t = 1.0f / temperature;
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  sc.block_max.resize(blocks);
+  sc.block_min.resize(blocks);
+  sc.block_nans.resize(blocks);
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      block_extremes(x, b * BLOCK, std::min(vocab, (b + 1) * BLOCK), sc.block_max[b], sc.block_min[b],
+                     sc.block_nans[b]);
+  });
   float m = NEG_INF, x_min = std::numeric_limits<float>::infinity();
-  int32_t nans = 0;
-#pragma omp simd reduction(max : m) reduction(min : x_min) reduction(+ : nans)
-  for (int64_t j = 0; j < vocab; ++j) {
-    const float xj = x[j];
-    m = xj > m ? xj : m;
-    x_min = xj < x_min ? xj : x_min;
-    nans += xj != xj;
+  int64_t nans = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    m = std::max(m, sc.block_max[b]);
+    x_min = std::min(x_min, sc.block_min[b]);
+    nans += sc.block_nans[b];
   }
   if (nans || !(m > NEG_INF)) return {-1, 0.0, 0.0};  // caller raises
   const float min_p_cut = min_p > 0.0f ? m + temperature * std::log(min_p) : -std::numeric_limits<float>::max();
+  std::vector<float>& w = sc.w;
+  std::vector<int64_t>& idx = sc.idx;
+  std::vector<float>& wt = sc.wt;
 
   if (top_k > 0 && top_k < vocab) {
     // Sparse path: the k largest logits by a size-k min-heap (one comparison per token
@@ -374,31 +500,61 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     return walk(idx, wt, u, sorted_order);
   }
 
-  // Dense path: weights for the whole row, summed per block.
-  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  // Dense path: weights for the whole row, summed per block; with top-p, also the mass and
+  // count above each pivot, per block.
+  const bool pivots = top_p < 1.0f;
+  float theta[PIVOTS];
+  for (int i = 0; i < PIVOTS; ++i) theta[i] = m + temperature * PIVOT_Z[i];
+  std::vector<double>& block_sum = sc.block_sum;
   block_sum.assign(blocks, 0.0);
-  double total = 0.0;
-  float* wp = w.data();  // a raw pointer: stores through the vector itself are not vectorised
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = lo; j < hi; ++j) {
-      const float z = (x[j] - m) * inv_t;
-      const float e = exp_nonpositive(z);
-      // Masked (below the min-p cut, or -inf) and float32-underflowing tokens weigh exactly 0.
-      const bool keep = (x[j] >= min_p_cut) & (z > -87.0f);  // bitwise: no branch, so it vectorises
-      const float wj = keep ? e : 0.0f;
-      wp[j] = wj;
-      s += wj;
-    }
-    block_sum[b] = s;
-    total += s;
+  if (pivots) {
+    sc.pivot_mass.assign(blocks * PIVOTS, 0.0f);
+    sc.pivot_count.assign(blocks * PIVOTS, 0);
   }
-  if (top_p < 1.0f) {
+  w.resize(vocab);
+  float* wp = w.data();  // a raw pointer: stores through the vector itself are not vectorised
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
+      block_sum[b] = block_weights(x, wp, lo, hi, m, inv_t, min_p_cut);
+      // A second pass over the block while it is in L1: the masked sums vectorise there,
+      // where one loop with the exponential and eight more reductions did not.
+      if (pivots)
+        block_pivot_sums(x, wp, lo, hi, theta[0], theta[1], theta[2], theta[3], sc.pivot_mass.data() + b * PIVOTS,
+                         sc.pivot_count.data() + b * PIVOTS);
+    }
+  });
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) total += block_sum[b];
+  if (pivots) {
     // Tokens of positive weight lie above all three bounds (z > -87: see exp_nonpositive).
     const float lowest = std::max({x_min, min_p_cut, m - 87.0f * temperature});
-    total = top_p_in_place(x, vocab, w, block_sum, total, top_p, lowest, m, cx, cw);
+    double mass[PIVOTS] = {0.0, 0.0, 0.0, 0.0};
+    int64_t count[PIVOTS] = {0, 0, 0, 0};
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int i = 0; i < PIVOTS; ++i) {
+        mass[i] += sc.pivot_mass[b * PIVOTS + i];
+        count[i] += sc.pivot_count[b * PIVOTS + i];
+      }
+    // The bracket: lo the highest pivot with mass above it >= target, hi the lowest with less.
+    const double target = static_cast<double>(top_p) * total;
+    Bracket start{NEG_INF, std::numeric_limits<float>::infinity(), lowest, m, 0.0, vocab};
+    int64_t count_lo = vocab, count_hi = 0;
+    for (int i = 0; i < PIVOTS; ++i) {  // theta decreasing, mass increasing
+      if (mass[i] < target) {
+        start.hi = theta[i];
+        start.cmax = std::min(m, theta[i]);
+        start.base = mass[i];
+        count_hi = count[i];
+      } else {
+        start.lo = theta[i];
+        start.cmin = std::max(lowest, theta[i]);
+        count_lo = count[i];
+        break;
+      }
+    }
+    start.n_cand = count_lo - count_hi;
+    total = top_p_in_place(x, vocab, w, block_sum, total, top_p, start, lowest, m, sc.cx, sc.cw);
   }
   if (sorted_order) {
     idx.clear();
@@ -456,18 +612,21 @@ std::vector<torch::Tensor> fused_inverse_cdf(const torch::Tensor& logits, const 
   int64_t* tok = tokens.data_ptr<int64_t>();
   double* st = starts.data_ptr<double>();
   double* pr = probs.data_ptr<double>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(vocab), wt, cx, cw;
-    std::vector<double> block_sum;
-    std::vector<int64_t> idx;
+  auto rows = [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t r = begin; r < end; ++r) {
-      const RowResult res = sample_row(xp + r * vocab, vocab, tp[r], kp[r], pp[r], mpp[r], up[r], sorted_order, w,
-                                       block_sum, idx, wt, cx, cw);
+      const RowResult res = sample_row(xp + r * vocab, vocab, tp[r], kp[r], pp[r], mpp[r], up[r], sorted_order, scratch);
       tok[r] = res.token;
       st[r] = res.start;
       pr[r] = res.prob;
     }
-  });
+  };
+  // Fewer rows than threads: one row after another, each split over the threads (over_blocks);
+  // otherwise one row per task.
+  if (batch < at::get_num_threads())
+    rows(0, batch);
+  else
+    at::parallel_for(0, batch, 1, rows);
   return {tokens, starts, probs};
 }
 

@@ -99,6 +99,33 @@ def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperat
 
 
 @cpp
+@cpp
+@pytest.mark.parametrize(
+    ("case", "vocab", "top_p", "min_p"),
+    [("ties", 49152, 0.9, 0.02), ("flat", 49152, 0.5, 0.0), ("peaked", 151936, 0.95, 0.0), ("flat", 5000, 1.0, 0.0)],
+)
+def test_a_row_alone_split_over_threads_is_drawn_as_in_a_batch(case, vocab, top_p, min_p, cut_rows_factory):
+    """Fewer rows than threads: each row's passes are split over the threads; its token,
+    interval start and width are bit-identical to one thread drawing it in a batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        gen = torch.Generator().manual_seed(vocab)
+        batch = 8
+        logits = cut_rows_factory(case, batch, vocab, gen)
+        u = torch.rand(batch, dtype=torch.float64, generator=gen)
+        args = (torch.full((batch,), 0.8), None, torch.full((batch,), top_p), torch.full((batch,), min_p))
+        together = fused_draw(logits, u, *args, "id")
+        for row in range(batch):
+            one = (None if a is None else a[row : row + 1] for a in args)
+            alone = fused_draw(logits[row : row + 1], u[row : row + 1], *one, "id")
+            assert int(alone.tokens) == int(together.tokens[row]), row
+            assert float(alone.starts) == float(together.starts[row]), row
+            assert float(alone.probs) == float(together.probs[row]), row
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_uniforms_at_the_extremes_pick_the_first_and_last_admissible_tokens():
     logits = torch.tensor([[float("-inf"), 1.0, 2.0, float("-inf"), 0.5, float("-inf")]])
     ones = torch.ones(1)
