@@ -13,17 +13,19 @@ it imports nothing heavy. In order, it:
    (the world-writable places) and works in ``/tmp/work``;
 4. sets resource limits (CPU seconds, address space, file size, open files,
    processes);
-5. drops to the unprivileged user ``nobody`` (no write access to anything owned
-   by root), and execs the interpreter in isolated mode (``-I``).
+5. drops to an unprivileged user id of its own (no write access to anything owned
+   by root; its process limit is not shared with any other sandbox running at the
+   same time), and execs the interpreter in isolated mode (``-I``).
 
 Without root it uses an unprivileged user namespace for steps 2–3 and remounts
-every other mount read-only instead of dropping to ``nobody``. If neither works
+every other mount read-only instead of changing user. If neither works
 it exits with code 97 and a message, rather than run code unconfined.
 """
 
 import ctypes
 import json
 import os
+import pwd
 import resource
 import sys
 
@@ -39,6 +41,10 @@ MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
 NOBODY = 65534
+# One user id per run (base + the launcher's pid, unique among running launchers), far above
+# any account's: RLIMIT_NPROC counts a user's processes, so under a shared id (nobody) one
+# sample's fork bomb would make every other sandbox running meanwhile fail to start.
+RUN_UID_BASE = 1_900_000_000
 UNCONFINED = 97
 
 
@@ -63,13 +69,28 @@ def _isolate_as_root(libc, limits):
     _check(libc.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID), "unshare")
     _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
     _private_tmp(libc, limits["tmp_mb"])
+    uid = _run_uid()
     os.makedirs("/tmp/work", exist_ok=True)
-    os.chown("/tmp/work", NOBODY, NOBODY)
+    try:
+        os.chown("/tmp/work", uid, uid)
+    except OSError:  # not mapped (a container's user namespace): the shared nobody, then
+        uid = NOBODY
+        os.chown("/tmp/work", uid, uid)
     os.chdir("/tmp/work")
     _set_limits(limits)
     os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def _run_uid():
+    """This run's own user id (``nobody`` if an account has it)."""
+    uid = RUN_UID_BASE + os.getpid()
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return uid
+    return NOBODY
 
 
 def _isolate_unprivileged(libc, limits):

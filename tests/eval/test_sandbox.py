@@ -2,6 +2,7 @@
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from qmc_sampler.eval.sandbox import SandboxLimits, run_python
@@ -74,6 +75,21 @@ def test_processes_it_starts_do_not_outlive_it():
 def test_a_fork_bomb_hits_the_process_limit():
     result = run_python("import os\nfor _ in range(10000):\n    os.fork()", FAST)
     assert result.status == "error"
+
+
+def test_a_fork_bomb_does_not_starve_a_sandbox_running_beside_it():
+    # The process limit counts a user's processes: each run has a user id of its own, so
+    # another sample verified meanwhile (another worker, another qmc-eval) still starts.
+    bomb = "import os, time\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    bomb += "time.sleep(3)"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_python, bomb, FAST)
+        time.sleep(1.0)  # the bomb holds its process limit now
+        program = "import subprocess, sys\n"
+        program += "print(subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True).stdout.decode())"
+        beside = run_python(program, FAST)
+        running.result()
+    assert beside.status == "ok" and beside.stdout.strip() == "7", beside
 
 
 @pytest.mark.parametrize("code", ["import sys; sys.exit(3)", "raise SystemExit('boom')", "1/0"])
