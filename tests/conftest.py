@@ -19,9 +19,12 @@ FAMILY_ALPHA = 1e-3
 REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai")
 
 
-#: The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadgroup``), which take
-#: work in collection order: the costliest modules are collected first (serial seconds on a
+#: The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadfile``): a module is
+#: one unit of work, so its module-scoped engine or server starts once, and the workers take
+#: units in collection order: the costliest modules are collected first (serial seconds on a
 #: 2-core AMD EPYC, in brackets), so neither worker is left with a long one at the end.
+#: (``--dist loadgroup`` would let the quick forms and mutants spread test by test, but
+#: pytest-xdist 3.8 cannot rename pytest 9.2's node ids, so its groups are ignored.)
 COSTLIEST_FIRST = (
     "benchmarks/test_quick_forms.py",  # [200] each quick form starts its own servers
     "mutation/test_mutants.py",  # [200] a pytest per mutant, some with an engine
@@ -36,24 +39,14 @@ COSTLIEST_FIRST = (
     "vllm_plugin/test_unsampleable_rows.py",
     "hf/test_generate.py",
 )
-#: Modules whose tests share no costly fixture: each test is a unit of work of its own. Every
-#: other module is one unit (``xdist_group``), so its module-scoped engine or server starts once.
-SPREAD = ("benchmarks/test_quick_forms.py", "mutation/test_mutants.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
-    def module(item) -> str:
-        return item.nodeid.split("::")[0].removeprefix("tests/")
-
     def rank(item) -> int:
-        name = module(item)
+        name = item.nodeid.split("::")[0].removeprefix("tests/")
         return COSTLIEST_FIRST.index(name) if name in COSTLIEST_FIRST else len(COSTLIEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
-    for item in items:
-        if module(item) not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(module(item)))
 
 
 def pytest_configure(config):
