@@ -402,3 +402,48 @@ def run_python(source: str, timeout: float = 300) -> dict:
 def run_script():
     """:func:`run_python` as a fixture."""
     return run_python
+
+
+class HostReads:
+    """Records every way a tensor's value reaches Python (each one waits for the device on a
+    GPU) while a watched call runs: ``reads`` names them, ``steps`` holds each call's logits rows."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.reads: list[str] = []
+        self.steps: list[int] = []
+        self.recording = False
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, self._recorder(name))
+
+    def watch(self, owner, name: str) -> None:
+        """Record while ``owner.name`` runs (a class's method, or an instance's bound one)."""
+        call = getattr(owner, name)
+
+        def watched(*args, **kwargs):
+            self.recording = True
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.recording = False
+                self.steps.append(next(a for a in args if isinstance(a, torch.Tensor)).shape[0])
+
+        self.monkeypatch.setattr(owner, name, watched)
+
+    def _recorder(self, name):
+        original = getattr(torch.Tensor, name)
+
+        def read(tensor, *args, **kwargs):
+            if self.recording:
+                self.reads.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> HostReads:
+    """:class:`HostReads` with ``torch.Tensor`` patched for this test."""
+    return HostReads(monkeypatch)

@@ -208,43 +208,12 @@ def test_bad_arguments_are_rejected_at_admission(llm):
     assert os.environ.get("QMC_SAMPLER") is None
 
 
-HOST_READS = ("tolist", "item", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__")
-
-
-def test_a_decoding_step_never_reads_the_device_back(llm, monkeypatch):
-    # Every way a tensor's value reaches Python (each one waits for the device on a GPU) is
-    # recorded while the plugin's step runs; admission and removal (update_state) may read.
+def test_a_decoding_step_never_reads_the_device_back(llm, host_reads):
+    # Admission and removal (update_state) may read; the plugin's step (apply) must not.
     # The engine core runs in this process, so the processor is this module's class.
     from qmc_sampler.vllm_plugin.processor import QMCLogitsProcessor
 
-    reads: list[str] = []
-    steps = []
-    recording = False
-
-    def recorder(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if recording:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, recorder(name))
-    apply = QMCLogitsProcessor.apply
-
-    def recorded_apply(self, logits, ctx=None):
-        nonlocal recording
-        recording = True
-        try:
-            return apply(self, logits, ctx)
-        finally:
-            recording = False
-            steps.append(logits.shape[0])
-
-    monkeypatch.setattr(QMCLogitsProcessor, "apply", recorded_apply)
+    host_reads.watch(QMCLogitsProcessor, "apply")
     params = [
         sampling(CONFIGS["plain"], seed=11, max_tokens=12, min_tokens=12),  # a code design, carried
         sampling(CONFIGS["top_k_min_p"], seed=12, method="sobol", n=4, max_tokens=12, min_tokens=12),  # filters
@@ -253,7 +222,7 @@ def test_a_decoding_step_never_reads_the_device_back(llm, monkeypatch):
     before = llm.collective_rpc("qmc_sampler_stats")[0]
     outs = generate(llm, [PROMPT, [1, 9, 9], [1, 17]], params)
     after = llm.collective_rpc("qmc_sampler_stats")[0]
-    assert len(steps) >= 12 and reads == [], sorted(set(reads))
+    assert len(host_reads.steps) >= 12 and host_reads.reads == [], sorted(set(host_reads.reads))
     assert all(len(member) == 12 for group in outs for member in group)
     # ...and every row was the plugin's: 14 members drew all their tokens, none left to the engine.
     assert after["admitted"] - before["admitted"] == 14

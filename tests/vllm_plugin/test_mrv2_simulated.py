@@ -314,41 +314,11 @@ def test_mrv2_processed_logprobs_of_imposed_rows_equal_vllms_own(
     assert processor.take_capture() is None  # the wrap consumed this step's capture
 
 
-HOST_READS = ("tolist", "item", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__")
-
-
-def test_a_decoding_step_never_reads_the_device_back(cpu_mrv2_buffers, vllm_config, hf_model, monkeypatch):
-    # Every way a tensor's value reaches Python (each waits for the GPU) is recorded while the
-    # processor's apply runs; admission (add_request, apply_staged_writes) may read. All
-    # requests share the prompt and length, so none leaves the batch while others decode.
+def test_a_decoding_step_never_reads_the_device_back(cpu_mrv2_buffers, vllm_config, hf_model, host_reads):
+    # Admission (add_request, apply_staged_writes) may read; the processor's apply must not.
+    # All requests share the prompt and length, so none leaves the batch while others decode.
     runner = SimulatedMRV2Runner(vllm_config, hf_model, chunk=3)
-    reads: list[str] = []
-    recording = False
-
-    def recorder(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if recording:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, recorder(name))
-    apply, steps = runner.processor.apply, []
-
-    def recorded_apply(logits, ctx):
-        nonlocal recording
-        recording = True
-        try:
-            return apply(logits, ctx)
-        finally:
-            recording = False
-            steps.append(logits.shape[0])
-
-    monkeypatch.setattr(runner.processor, "apply", recorded_apply)
+    host_reads.watch(runner.processor, "apply")
     designs = [
         ("a", N, dict(temperature=0.7, top_p=0.9), "lattice"),  # a code design, carried; top-p
         ("b", 4, dict(top_k=5, min_p=0.05), "sobol"),
@@ -358,8 +328,8 @@ def test_a_decoding_step_never_reads_the_device_back(cpu_mrv2_buffers, vllm_conf
         extra = {"qmc_method": method, "qmc_seed": 3}
         runner.submit(name, PROMPT, SamplingParams(n=n, max_tokens=10, extra_args=extra, **sampling), n=n)
     runner.run()
-    assert len(steps) >= 10 and max(steps) == N + 4 + 2
-    assert reads == [], sorted(set(reads))
+    assert len(host_reads.steps) >= 10 and max(host_reads.steps) == N + 4 + 2
+    assert host_reads.reads == [], sorted(set(host_reads.reads))
     assert group(runner, "a") == reference(hf_model, "lattice", 3, 10, temperature=0.7, top_p=0.9)
     stats = runner.processor.stats()
     assert stats["lost"] == 0 and stats["unsampleable"] == 0, stats
