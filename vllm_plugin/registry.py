@@ -354,11 +354,10 @@ class MemberRegistry:
         if accepted == state.step + 1 and (engine_drew or member.drew):
             # Committed on the device with the next draw: carried if the token is the one we
             # drew; if the engine chose it (engine_drew), nothing is carried and a code design
-            # continues with fresh uniforms. Unknown tokens are the device's `seen`.
+            # continues with fresh uniforms (the commit sets that too). Unknown tokens are the
+            # device's `seen`.
             token = -1 if last_token is None else int(last_token)
             self._commits.append((member, token, not engine_drew))
-            if engine_drew:
-                self._fresh_from_now(member)
             state.step = accepted
             member.drew = False
             return
