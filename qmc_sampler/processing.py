@@ -10,7 +10,7 @@ Pipeline, in vLLM's order (``vllm/v1/sample/sampler.py::Sampler.sample``):
    largest from ``torch.topk`` (a selection, no sort);
 4. top-p: on the top-k-masked, ascending-sorted row, mask tokens whose cumulative
    probability is ``<= 1 - p``, always keeping the largest — found without sorting
-   (a bisection on the logit value, :func:`_top_p_by_search`);
+   (a radix search on the logit value's bits, :func:`_top_p_by_search`);
 5. softmax. (The CDF, choice and carry follow in :mod:`qmc_sampler.inverse_cdf`
    and :mod:`qmc_sampler.carry`.)
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KEY_SEARCH_STEPS", "SAMPLING_EPS", "filters_active", "ordered_keys", "process_logits"]
+__all__ = ["SAMPLING_EPS", "filters_active", "ordered_keys", "process_logits"]
 
 #: vLLM's greedy threshold (``vllm/v1/sample/sampler.py::_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -75,39 +75,54 @@ def ordered_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF) - 1)
 
 
-#: Bisection steps that pin a key in the int32 range (plus the -inf sentinel below it).
-KEY_SEARCH_STEPS = 34
+#: The top-p cut's 32-bit key is found a digit at a time, from the top (11 + 11 + 10 bits).
+CUT_DIGIT_BITS = (11, 11, 10)
 
 
 def _top_p_by_search(out: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p without a sort: the kept set of the ascending-sort rule, found by bisection.
+    """Top-p without a sort: the kept set of the ascending-sort rule, found by a radix search.
 
     In vLLM's rule a token survives when the probability of the tokens after it in
     ascending (logit, id) order is < p. So the cut is the logit x* whose tokens hold
-    that boundary — mass(x > x*) < p·total <= mass(x >= x*) — found by a fixed number
-    of bisection steps on :func:`ordered_keys` (masked sums over the row, no sort and no
-    host round trip); every token above x* is kept, and at x* the ties with the largest
-    ids while the mass above them is still < p·total (the stable sort's order). Sums
-    are in float64 over ``exp(x − max)``.
+    that boundary — mass(x > x*) < p·total <= mass(x >= x*). x* is found on the
+    order-preserving 32-bit key of the float32 value (:func:`ordered_keys`, unsigned
+    here) a digit at a time: each pass adds the weights of the tokens still in range into
+    one bin per value of the next digit, and the cumulative mass from the top picks the
+    digit (three passes over the row; no sort, no host round trip). Every token above x*
+    is kept, and at x* the ties with the largest ids while the mass above them is still
+    < p·total (the stable sort's order). Sums are in float64 over ``exp(x − max)``.
     """
     p = top_p.to(device=out.device, dtype=torch.float64).unsqueeze(1)
-    keys = ordered_keys(out)
+    bits = (out + 0.0).view(torch.int32)  # -0.0 made +0.0 first: they compare equal
+    # ordered_keys in int32, then the sign bit flipped: the value's order as unsigned keys
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) ^ -(1 << 31)
     weights = torch.exp((out - out.amax(dim=-1, keepdim=True)).to(torch.float64))
     target = p * weights.sum(dim=-1, keepdim=True)
-    lo = torch.full_like(target, -(1 << 31) - 2, dtype=torch.int64)  # mass(x > lo) = total >= target
-    hi = keys.amax(dim=-1, keepdim=True)  # mass(x > hi) = 0 < target
-    for _ in range(KEY_SEARCH_STEPS):
-        mid = torch.div(lo + hi, 2, rounding_mode="floor")
-        below = (weights * (keys > mid)).sum(dim=-1, keepdim=True) < target
-        hi = torch.where(below, mid, hi)
-        lo = torch.where(below, lo, mid)
-    above = (weights * (keys > hi)).sum(dim=-1, keepdim=True)
-    tie = keys == hi
+    batch = out.shape[0]
+    found = torch.zeros(batch, 1, dtype=torch.int64, device=out.device)  # x*'s key digits so far
+    above = torch.zeros_like(target)  # mass of the keys above found's range
+    top = 0
+    for width in CUT_DIGIT_BITS:
+        digit = (keys >> (32 - top - width)) & ((1 << width) - 1)
+        if top:  # tokens outside found's range go to a last bin, ignored
+            in_range = ((keys >> (32 - top)) & ((1 << top) - 1)) == found
+            digit = torch.where(in_range, digit, 1 << width)
+        mass = torch.zeros(batch, (1 << width) + 1, dtype=torch.float64, device=out.device)
+        mass.scatter_add_(1, digit.long(), weights)
+        at_or_above = mass[:, : 1 << width].flip(-1).cumsum(-1).flip(-1) + above
+        # the largest digit whose mass at or above it reaches the target (non-increasing sums)
+        chosen = ((at_or_above >= target).sum(-1, keepdim=True) - 1).clamp(min=0)
+        above = torch.cat([at_or_above[:, 1:], above], dim=1).gather(1, chosen)
+        found = (found << width) | chosen
+        top += width
+    signed = keys ^ -(1 << 31)
+    cut = found - (1 << 31)
+    tie = signed == cut
     tie_weight = (weights * tie).amax(dim=-1, keepdim=True)
     # Ties kept from the largest id down: the i-th (i = 0, 1, …) while above + i·w < target.
     kept_ties = torch.ceil((target - above) / tie_weight)
-    from_the_top = tie.flip(-1).cumsum(-1).flip(-1)  # ties at this id or after it
-    keep = (keys > hi) | (tie & (from_the_top <= kept_ties))
+    from_the_top = tie.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)  # ties at this id or after it
+    keep = (signed > cut) | (tie & (from_the_top <= kept_ties))
     return out.masked_fill(~keep & (p < 1), float("-inf"))
 
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from qmc_sampler.processing import KEY_SEARCH_STEPS
-
 __all__ = ["BLOCK", "triton_available", "triton_inverse_cdf"]
+
+#: Bisection steps that pin a key in the int32 range (plus the -inf sentinel below it).
+KEY_SEARCH_STEPS = 34
 
 BLOCK = 1024
 
