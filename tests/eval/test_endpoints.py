@@ -106,9 +106,11 @@ def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, t
         assert len(lines) == 1 and lines[0].startswith("qmc-eval: error:") and message in lines[0], (extra, lines)
 
 
-# Long enough to lose a replica in the middle: 2 samplers × 12 problems × 8 members.
-MID_RUN = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems", "12",
-           "--max-tokens", "24", "--temperature", "1.5"]  # fmt: skip
+# Long enough to lose a replica in the middle (it is lost once 3 of the 16 groups are written):
+# 2 samplers × 8 problems × 8 members.
+MID_RUN_PROBLEMS = 8
+MID_RUN = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8", "--problems",
+           str(MID_RUN_PROBLEMS), "--max-tokens", "24", "--temperature", "1.5"]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -140,7 +142,7 @@ def assert_every_group_once_and_complete(out):
     """
     records = read_samples(out / "samples.jsonl")
     keys = [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
-    assert len(keys) == len(set(keys)) == 2 * 12 * 8  # every group once, none lost, none duplicated
+    assert len(keys) == len(set(keys)) == 2 * MID_RUN_PROBLEMS * 8  # every group once, none lost, none duplicated
     groups = {k[:3] for k in keys}
     assert all(sorted(k[3] for k in keys if k[:3] == g) == list(range(8)) for g in groups)
     assert {r["finish_reason"] for r in records} <= {"stop", "length"}  # no truncated text recorded as a sample
