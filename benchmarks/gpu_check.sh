@@ -29,8 +29,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, record status, seco
   local status=pass; [ $rc -eq 124 ] && status=timeout; [ $rc -ne 0 ] && [ $rc -ne 124 ] && status="fail($rc)"
   rows+=("$(printf '%-22s %-9s %5ss  %s' "$name" "$status" $((SECONDS - start)) "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
 }
-step cuda-tests 300 "$PY" -m pytest -q -m cuda tests/core/test_triton_kernel.py tests/vllm_plugin/test_mrv2_cuda.py \
-  tests/integrations/test_grpo_gpu.py
+step cuda-tests 300 "$PY" -m pytest -q -n 0 -m cuda tests/core/test_triton_kernel.py tests/core/test_processing.py \
+  tests/core/test_sample_group.py tests/vllm_plugin/test_mrv2_cuda.py tests/integrations/test_grpo_gpu.py
 step sampler-bench 60 "$PY" benchmarks/sampler_bench.py --quick --repeats 3
 step e2e-v1 60 env VLLM_USE_V2_MODEL_RUNNER=0 "$PY" benchmarks/e2e_overhead.py --rounds 2
 step e2e-mrv2-async 60 env VLLM_USE_V2_MODEL_RUNNER=1 "$PY" benchmarks/e2e_overhead.py --rounds 2

@@ -117,3 +117,59 @@ def test_top_p_without_sorting_keeps_the_sorted_rules_set_ties_included(case):
     expected = kept_by_the_sorted_rule(logits, top_p)
     assert torch.equal(kept, expected), (kept != expected).any(-1).nonzero().flatten().tolist()
     assert kept.any(-1).all() and torch.equal(out[kept], logits[kept])
+
+
+def tie_heavy_rows(seed: int, batch: int = 48, vocab: int = 2500) -> torch.Tensor:
+    """Rows with ties at every value, -inf tokens, negative and positive values, one constant row."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-6, 6, (batch, vocab), generator=gen).float() / 2
+    logits[: batch // 2] = torch.randn(batch // 2, vocab, generator=gen) * 3
+    logits = logits.masked_fill(torch.rand(batch, vocab, generator=gen) < 0.3, float("-inf"))
+    logits[:, 0] = 0.0  # a finite token in every row
+    logits[-1] = -1.5
+    return logits
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_device_paths_top_k_equals_the_selection_on_the_cpu(seed):
+    # On an accelerator top-k is a radix search (nothing read back), on the CPU torch.topk.
+    from qmc_sampler.processing import _top_k_by_search, _top_k_by_selection
+
+    logits = tie_heavy_rows(seed)
+    batch, vocab = logits.shape
+    gen = torch.Generator().manual_seed(100 + seed)
+    top_k = torch.randint(1, 60, (batch,), generator=gen)
+    top_k[:4] = torch.tensor([0, vocab, vocab - 1, 1])  # off, off, all but one, the largest (ties kept)
+    by_search = torch.isfinite(_top_k_by_search(logits, top_k))
+    assert torch.equal(by_search, torch.isfinite(_top_k_by_selection(logits, top_k)))
+    assert torch.equal(by_search[:2], torch.isfinite(logits[:2]))
+
+
+def test_the_device_paths_filters_read_nothing_back(host_reads):
+    # On a GPU each read waits for the device: the per-step path must not make any.
+    from qmc_sampler import processing
+
+    logits = tie_heavy_rows(0)
+    batch = logits.shape[0]
+    for name in ("_top_k_by_search", "_top_p_by_search"):
+        host_reads.watch(processing, name)
+    top_p = processing._top_p_by_search(logits, torch.linspace(0.05, 1.0, batch))
+    top_k = processing._top_k_by_search(logits, torch.arange(batch))
+    assert host_reads.reads == [] and host_reads.steps == [batch, batch]
+    assert torch.isfinite(top_p).any(-1).all() and torch.isfinite(top_k).any(-1).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_every_filter_runs_without_a_read_and_keeps_the_cpus_set(host_reads):
+    from qmc_sampler import processing
+
+    logits = tie_heavy_rows(1)
+    batch = logits.shape[0]
+    params = (torch.full((batch,), 0.9), torch.arange(batch) % 40, torch.linspace(0.1, 1.0, batch),
+              torch.linspace(0.0, 0.2, batch))  # fmt: skip
+    on_cpu = torch.isfinite(process_logits(logits, *params))
+    host_reads.watch(processing, "process_logits")
+    on_gpu = processing.process_logits(logits.cuda(), *(t.cuda() for t in params))
+    assert host_reads.reads == []
+    assert torch.equal(torch.isfinite(on_gpu).cpu(), on_cpu)

@@ -69,9 +69,9 @@ def test_wrong_logits_shape_is_rejected():
         sample_group(lambda prefixes: torch.zeros(1, 4), GroupSpec("iid", 2, 0), 1)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_works_on_the_device_of_the_logits(toy_model):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     seqs_cpu = sample_group(toy_model.next_logits, GroupSpec("lattice", 8, 3), 3)
     seqs_gpu = sample_group(lambda p: toy_model.next_logits(p).cuda(), GroupSpec("lattice", 8, 3), 3)
     assert seqs_cpu == seqs_gpu

@@ -126,9 +126,23 @@ MUTANTS = [
     Mutant(
         "top-p without sorting keeps every tie at the cut",
         "qmc_sampler/processing.py",
-        "keep = (keys > hi) | (tie & (from_the_top <= kept_ties))",
-        "keep = (keys > hi) | tie",
+        "keep = _above(keys, cut) | (tie & (from_the_top <= kept_ties))",
+        "keep = _above(keys, cut) | tie",
         ("tests/core/test_processing.py::test_top_p_without_sorting_keeps_the_sorted_rules_set_ties_included",),
+    ),
+    Mutant(
+        "the radix search counts tokens outside the digits found so far",
+        "qmc_sampler/processing.py",
+        "            digit = torch.where(in_range, digit, 1 << width)",
+        "            digit = torch.where(in_range, digit, digit)",
+        ("tests/core/test_processing.py::test_top_p_without_sorting_keeps_the_sorted_rules_set_ties_included",),
+    ),
+    Mutant(
+        "the device path's top-k drops the ties at the k-th logit",
+        "qmc_sampler/processing.py",
+        "~(_above(keys, cut) | (keys == cut)) & active",
+        "~_above(keys, cut) & active",
+        ("tests/core/test_processing.py::test_the_device_paths_top_k_equals_the_selection_on_the_cpu",),
     ),
     Mutant(
         "an extra member takes a sibling's stream (member % n)",
