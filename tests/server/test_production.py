@@ -33,7 +33,7 @@ def server(tiny_model_dir, serve, tmp_path_factory):
     command = [
         sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name", "tiny",
         "--kv-cache-gb", "1", "--max-body-bytes", "4096", "--max-members-in-flight", str(LIMIT),
-        "--shutdown-timeout", "1",  # < the time the 480-token stream below takes
+        "--shutdown-timeout", "0",  # abort at once: on one thread the 480-token group below took under 1 s
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}  # the key stays out of `ps`
@@ -256,8 +256,8 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
     received, failures = [], []
 
     def read_stream():
-        # 480 tokens with top-20 logprobs each: a few seconds, well beyond --shutdown-timeout
-        body = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 480, "min_tokens": 480, "logprobs": 20,
+        # 480 tokens with top-20 logprobs each (the model's length): still running at the SIGTERM
+        body = {"model": "tiny", "prompt": PROMPT, "n": LIMIT, "max_tokens": 480, "min_tokens": 480, "logprobs": 20,
                 "stream": True}  # fmt: skip
         try:
             with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
@@ -269,19 +269,28 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
 
     reader = threading.Thread(target=read_stream)
     reader.start()
-    deadline = time.monotonic() + 60  # SIGTERM as soon as the members run (the reader may lag behind them)
-    while httpx.get(server["url"] + "/stats").json()["unfinished_requests"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # SIGTERM once every member has streamed its first chunk (all of them run, far from their 480th
+    # token). Not earlier: a member aborted before its first token gets no last chunk at all.
+    streaming: set[int] = set()
+    read = 0
+    deadline = time.monotonic() + 60
+    while len(streaming) < LIMIT and time.monotonic() < deadline:
+        for line in received[read:]:
+            read += 1
+            if line != "data: [DONE]":
+                streaming.add(json.loads(line.removeprefix("data: "))["choices"][0]["index"])
+        time.sleep(0.005)
+    assert len(streaming) == LIMIT and "data: [DONE]" not in received
     server["process"].send_signal(signal.SIGTERM)
     assert server["process"].wait(timeout=90) == 0
     reader.join(timeout=30)
     assert not reader.is_alive()
     assert "qmc-serve: stopped; 0 engine requests unfinished" in server["log"].read_text()
-    # The stream outlived --shutdown-timeout (1 s); its members were aborted and the body still
+    # The stream outlived --shutdown-timeout (0 s); its members were aborted and the body still
     # ended properly: every member's last chunk says "abort", then [DONE].
     assert failures == []
     assert received[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in received[:-1]]
     last = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
     finished = {choice["index"]: choice["finish_reason"] for choice in last}
-    assert finished == dict.fromkeys(range(8), "abort")
+    assert finished == dict.fromkeys(range(LIMIT), "abort")
