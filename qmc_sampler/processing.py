@@ -71,13 +71,14 @@ def process_logits(
 
 
 def ordered_keys(x: torch.Tensor) -> torch.Tensor:
-    """``int64`` keys in the order of the float32 values of ``x`` (equal values, equal keys).
+    """``int32`` keys in the order of the float32 values of ``x`` (equal values, equal keys).
 
     The IEEE bit pattern is monotone for non-negative floats and reversed for negative
-    ones; ``-0.0`` is first made ``+0.0`` (they compare equal).
+    ones (``bits ^ 0x7FFFFFFF`` = ``-(bits & 0x7FFFFFFF) - 1`` there); ``-0.0`` is first made
+    ``+0.0`` (they compare equal).
     """
-    bits = (x.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
-    return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF) - 1)
+    bits = (x.to(torch.float32) + 0.0).view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 #: The widest digit of a cut's 32-bit key (2048 bins per row and pass: three passes).
@@ -134,10 +135,9 @@ def _top_k_by_selection(out: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _unsigned_keys(x: torch.Tensor) -> torch.Tensor:
-    """:func:`ordered_keys` as int32 bit patterns with the sign bit flipped: read as unsigned
-    32-bit integers, they are in the order of the float32 values of ``x``."""
-    bits = (x.to(torch.float32) + 0.0).view(torch.int32)  # -0.0 made +0.0 first: they compare equal
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) ^ -(1 << 31)
+    """:func:`ordered_keys` with the sign bit flipped: read as unsigned 32-bit integers, they
+    are in the order of the float32 values of ``x``."""
+    return ordered_keys(x) ^ -(1 << 31)
 
 
 def _above(keys: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:

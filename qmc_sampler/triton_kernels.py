@@ -51,7 +51,7 @@ def _kernel():
 
     @triton.jit
     def ordered_key(x):
-        # The float32 value's order as an int64 (as qmc_sampler.processing.ordered_keys).
+        # The float32 value's order (qmc_sampler.processing.ordered_keys), held in an int64.
         bits = (x + 0.0).to(tl.int32, bitcast=True)
         return tl.where(bits >= 0, bits.to(tl.int64), -((bits & 0x7FFFFFFF).to(tl.int64)) - 1)
 
