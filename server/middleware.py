@@ -22,6 +22,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +230,7 @@ class _Reply:
         self._mode = ""  # "json", "sse", or "" (passed on as it is)
         self._start: dict[str, Any] | None = None
         self._held = b""
+        self._finishes = _Finishes(plan)
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
@@ -259,7 +261,7 @@ class _Reply:
         if more and cut < 2:
             return
         ready, self._held = self._held[:cut], self._held[cut:]
-        events = self._insert(ready, b"data: {", b"\n\ndata: {")
+        events = self._insert(self._finishes.complete(ready), b"data: {", b"\n\ndata: {")
         await self._send({"type": "http.response.body", "body": events, "more_body": more})
 
     def _insert(self, data: bytes, first: bytes, later: bytes | None) -> bytes:
@@ -270,6 +272,66 @@ class _Reply:
         if data.startswith(first):
             data = first + self._extension + data[len(first) :]
         return data if later is None else data.replace(later, later + self._extension)
+
+
+class _Finishes:
+    """Gives every member of a stream a last chunk: vLLM sends none for a member that ends
+    before its first token (an abort: its empty last output is skipped as a prefill step).
+
+    Each member without a ``finish_reason`` when the stream ends (before the usage chunk or
+    ``[DONE]``) gets a chunk with ``finish_reason: "abort"`` in vLLM's shape; not after an
+    error event, which ends the whole response.
+    """
+
+    _FINISH = b'"finish_reason":"'  # a set finish_reason; model text holds no raw quote
+
+    def __init__(self, plan: Plan) -> None:
+        self._members = plan.n * plan.groups  # choice indices: prompt × n + member
+        self._chat = "messages" in plan.body
+        self._model = plan.body.get("model")
+        # vLLM's empty logprobs where they were asked for, so a client can read them as always
+        self._logprobs = bool(plan.body.get("logprobs")) if self._chat else plan.body.get("logprobs") is not None
+        self._finished: set[int] = set()
+        self._first: dict[str, Any] | None = None  # id, created, model of the stream's chunks
+        self._done = False
+
+    def complete(self, events: bytes) -> bytes:
+        """``events`` (whole SSE events, as vLLM sent them) with the missing last chunks added."""
+        if self._done or not events:
+            return events
+        if self._first is None and events.startswith(b"data: {"):
+            first = json.loads(events[6:].split(b"\n\n", 1)[0])
+            self._first = {k: first[k] for k in ("id", "created", "model") if k in first}
+        if not any(mark in events for mark in (self._FINISH, b"data: [DONE]", b'"choices":[]', b'{"error"')):
+            return events  # no event that matters here (the filter is cheap; the loop below is exact)
+        parts = events.split(b"\n\n")
+        for at, event in enumerate(parts):
+            if event.startswith(b'data: {"error"'):
+                self._done = True
+                return events
+            if event == b"data: [DONE]" or (event.startswith(b"data: {") and b'"choices":[]' in event):
+                self._done = True
+                return b"\n\n".join([*parts[:at], *self._aborts(), *parts[at:]])
+            if self._FINISH in event:
+                self._finished.update(c["index"] for c in json.loads(event[6:])["choices"] if c["finish_reason"])
+        return events
+
+    def _aborts(self) -> list[bytes]:
+        first = self._first or {"id": f"{'chatcmpl' if self._chat else 'cmpl'}-{uuid.uuid4().hex}",
+                                "created": int(time.time()), "model": self._model}  # fmt: skip
+        if self._chat:
+            first, choice = {**first, "object": "chat.completion.chunk"}, {"delta": {}}
+            logprobs: dict[str, list[Any]] = {"content": []}
+        else:
+            first, choice = {**first, "object": "text_completion"}, {"text": "", "stop_reason": None}
+            logprobs = {key: [] for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
+        choice["logprobs"] = logprobs if self._logprobs else None
+        chunks = []
+        for index in range(self._members):
+            if index not in self._finished:
+                last = {**first, "choices": [{"index": index, **choice, "finish_reason": "abort"}]}
+                chunks.append(b"data: " + json.dumps(last, separators=(",", ":")).encode())
+        return chunks
 
 
 async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:

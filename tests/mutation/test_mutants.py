@@ -266,6 +266,14 @@ MUTANTS = [
         ("tests/vllm_plugin/test_inactive_paths.py::test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice",),
         engine=True,
     ),
+    Mutant(
+        "qmc-serve passes on vLLM's stream without a last chunk for members aborted before a token",
+        "server/middleware.py",
+        "        if self._done or not events:\n",
+        "        if True:\n",
+        ("tests/server/test_middleware.py",),
+        engine=True,
+    ),
 ]
 
 

@@ -253,7 +253,7 @@ def test_clients_that_disconnect_under_load_free_their_members_at_once(server):
 
 
 def test_sigterm_during_a_streaming_group_ends_cleanly(server):
-    received, failures = [], []
+    received, failures, answered = [], [], threading.Event()
 
     def read_stream():
         # 480 tokens with top-20 logprobs each (the model's length): still running at the SIGTERM
@@ -261,6 +261,7 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
                 "stream": True}  # fmt: skip
         try:
             with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
+                answered.set()
                 for line in r.iter_lines():
                     if line:
                         received.append(line)
@@ -269,28 +270,20 @@ def test_sigterm_during_a_streaming_group_ends_cleanly(server):
 
     reader = threading.Thread(target=read_stream)
     reader.start()
-    # SIGTERM once every member has streamed its first chunk (all of them run, far from their 480th
-    # token). Not earlier: a member aborted before its first token gets no last chunk at all.
-    streaming: set[int] = set()
-    read = 0
-    deadline = time.monotonic() + 60
-    while len(streaming) < LIMIT and time.monotonic() < deadline:
-        for line in received[read:]:
-            read += 1
-            if line != "data: [DONE]":
-                streaming.add(json.loads(line.removeprefix("data: "))["choices"][0]["index"])
-        time.sleep(0.005)
-    assert len(streaming) == LIMIT and "data: [DONE]" not in received
+    # SIGTERM as the response starts: members aborted before a token of their own (all or most of
+    # them, here) get no chunk at all from vLLM.
+    assert answered.wait(timeout=60)
     server["process"].send_signal(signal.SIGTERM)
     assert server["process"].wait(timeout=90) == 0
     reader.join(timeout=30)
     assert not reader.is_alive()
     assert "qmc-serve: stopped; 0 engine requests unfinished" in server["log"].read_text()
     # The stream outlived --shutdown-timeout (0 s); its members were aborted and the body still
-    # ended properly: every member's last chunk says "abort", then [DONE].
+    # ended properly: every member's last chunk says "abort" (ours for a member without a token), then [DONE].
     assert failures == []
     assert received[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in received[:-1]]
     last = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
     finished = {choice["index"]: choice["finish_reason"] for choice in last}
+    assert len(last) == LIMIT  # each member ends once
     assert finished == dict.fromkeys(range(LIMIT), "abort")

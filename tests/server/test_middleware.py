@@ -1,0 +1,118 @@
+"""qmc-serve's response wrapper on vLLM's own stream chunks (no server needed)."""
+
+import asyncio
+import json
+
+import pytest
+from qmc_sampler.server.fields import plan_request
+from qmc_sampler.server.middleware import _Reply
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, UsageInfo
+
+pytestmark = pytest.mark.vllm
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+def completion_chunk(index, text, finish=None):
+    choice = CompletionResponseStreamChoice(index=index, text=text, finish_reason=finish, stop_reason=None)
+    return CompletionStreamResponse(id="cmpl-7", created=5, model="tiny", choices=[choice])
+
+
+def chat_chunk(index, delta, finish=None):
+    choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, finish_reason=finish)
+    return ChatCompletionStreamResponse(id="chatcmpl-7", created=5, model="tiny", choices=[choice])
+
+
+def usage_chunk():
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+    return CompletionStreamResponse(id="cmpl-7", created=5, model="tiny", choices=[], usage=usage)
+
+
+def relay(body, chunks, chat=False, piece=37):
+    """What a client reads when vLLM streams ``chunks`` (models or JSON text, then [DONE]) for ``body``,
+    sent in ``piece``-byte parts."""
+    plan = plan_request(body, chat=chat, default_sampler="lattice", max_n=64)
+    serialised = (c if isinstance(c, str) else c.model_dump_json(exclude_unset=True) for c in chunks)
+    stream = b"".join(f"data: {c}\n\n".encode() for c in serialised)
+    stream += b"data: [DONE]\n\n"
+    received = []
+
+    async def send(message):
+        received.append(message)
+
+    async def run():
+        reply = _Reply(send, plan)
+        await reply.send({"type": "http.response.start", "status": 200, "headers": SSE})
+        for at in range(0, len(stream), piece):
+            await reply.send({"type": "http.response.body", "body": stream[at : at + piece], "more_body": True})
+        await reply.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    asyncio.run(run())
+    body = b"".join(m.get("body", b"") for m in received[1:])
+    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_members_that_end_before_their_first_token_get_an_abort_chunk_before_done():
+    # Two prompts × n = 3: members 0–5. vLLM sent nothing for 2, 4 and 5 (aborted before a token).
+    chunks = [completion_chunk(0, "a"), completion_chunk(1, "b"), completion_chunk(3, "c"),
+              completion_chunk(0, "", "length"), completion_chunk(1, "d", "abort"),
+              completion_chunk(3, "", "abort")]  # fmt: skip
+    events = relay({"prompt": ["x", "y"], "n": 3, "stream": True, "sampler_seed": 2, "logprobs": 0}, chunks)
+    assert events[: len(chunks)] == [{"sampler": "lattice", "sampler_seed": 2} | c.model_dump(exclude_unset=True)
+                                     for c in chunks]  # fmt: skip
+    added = events[len(chunks) :]
+    assert [e["choices"][0]["index"] for e in added] == [2, 4, 5]
+    for event in added:
+        CompletionStreamResponse.model_validate(event)  # vLLM's own shape
+        assert event["sampler"] == "lattice" and event["sampler_seed"] == 2
+        assert (event["id"], event["created"], event["model"], event["object"]) == ("cmpl-7", 5, "tiny",
+                                                                                   "text_completion")  # fmt: skip
+        no_tokens = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}  # as vLLM's aborts
+        assert event["choices"][0] | {"index": 0} == {"index": 0, "text": "", "logprobs": no_tokens,
+                                                      "finish_reason": "abort", "stop_reason": None}  # fmt: skip
+
+
+def test_the_abort_chunks_come_before_the_usage_chunk():
+    chunks = [completion_chunk(0, "a", "length"), usage_chunk()]
+    events = relay({"prompt": "x", "n": 3, "stream": True, "stream_options": {"include_usage": True}}, chunks)
+    assert [e["choices"][0]["index"] if e["choices"] else "usage" for e in events] == [0, 1, 2, "usage"]
+    assert events[1]["choices"][0]["logprobs"] is None  # none asked for
+
+
+def test_a_chat_member_that_only_got_its_role_chunk_is_finished_with_an_abort():
+    role = [chat_chunk(i, {"role": "assistant", "content": ""}) for i in range(4)]
+    chunks = [*role, chat_chunk(1, {"content": "hi"}), chat_chunk(1, {}, "stop"), chat_chunk(3, {}, "length")]
+    body = {"messages": [{"role": "user", "content": "x"}], "n": 4, "stream": True, "logprobs": True}
+    added = relay(body, chunks, chat=True)[len(chunks) :]
+    assert [e["choices"][0]["index"] for e in added] == [0, 2]
+    for event in added:
+        ChatCompletionStreamResponse.model_validate(event)
+        assert event["object"] == "chat.completion.chunk" and event["id"] == "chatcmpl-7"
+        assert event["choices"][0]["delta"] == {} and event["choices"][0]["finish_reason"] == "abort"
+        assert event["choices"][0]["logprobs"] == {"content": []}
+
+
+@pytest.mark.parametrize("piece", [1, 37, 10_000])
+def test_a_stream_whose_members_all_finished_is_passed_on_unchanged(piece):
+    chunks = [completion_chunk(i, "tok") for i in range(2)] + [completion_chunk(i, "", "stop") for i in range(2)]
+    events = relay({"prompt": "x", "n": 2, "stream": True}, chunks, piece=piece)
+    assert [{k: v for k, v in e.items() if not k.startswith("sampler")} for e in events] == [
+        c.model_dump(exclude_unset=True) for c in chunks
+    ]
+
+
+def test_nothing_is_added_after_an_error_event():
+    error = ErrorResponse(error=ErrorInfo(message="boom", type="InternalServerError", code=500))
+    events = relay({"prompt": "x", "n": 2, "stream": True}, [completion_chunk(0, "a"), json.dumps(error.model_dump())])
+    assert len(events) == 2 and "error" in events[1]
