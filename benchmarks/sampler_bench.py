@@ -92,17 +92,19 @@ def main() -> None:
 
     current_platform.import_kernels()
 
+    from qmc_sampler.cpu_defaults import describe_cpu
     from qmc_sampler.kernels import backend_for
 
     vllm_sampler = TopKTopPSampler()
     bandwidth = copy_bandwidth_gbs()
+    print(describe_cpu(), flush=True)
     print(
         f"threads: {torch.get_num_threads()}, fused backend: {backend_for(torch.device('cpu'))}, "
         f"copy bandwidth: {bandwidth:.1f} GB/s, vLLM sampler: {vllm_sampler.forward.__name__}"
     )
     header = (
         f"{'batch':>5} {'vocab':>7} {'filter':>12} | {'fused':>8} {'torch':>9} {'vllm':>8} | "
-        f"{'fused/vllm':>10} {'torch/vllm':>10} | {'floor':>7}"
+        f"{'fused/vllm':>10} {'torch/vllm':>10} | {'floor':>7} {'fused/floor':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -120,8 +122,8 @@ def main() -> None:
                 t_fused, t_torch, t_vllm = bench_case(batch, vocab, k, top_p, repeats, vllm_sampler)
                 floor = batch * vocab * 4 / (bandwidth / 2 * 1e9) * 1e3
                 print(
-                    f"{batch:>5} {vocab:>7} {label:>12} | {t_fused:>8.2f} {t_torch:>9.2f} {t_vllm:>8.2f} | "
-                    f"{t_fused / t_vllm:>10.2f} {t_torch / t_vllm:>10.2f} | {floor:>7.3f}"
+                    f"{batch:>5} {vocab:>7} {label:>12} | {t_fused:>8.3f} {t_torch:>9.2f} {t_vllm:>8.2f} | "
+                    f"{t_fused / t_vllm:>10.2f} {t_torch / t_vllm:>10.2f} | {floor:>7.3f} {t_fused / floor:>11.1f}"
                 )
     print(
         "\nms medians; ratios < 1 are faster than vLLM's own sampling op; floor = logits read once at copy bandwidth."

@@ -8,12 +8,14 @@
 //      (vllm/v1/sample/logits_processor/builtin.py, ops/topk_topp_sampler.py). With
 //      top-k the k largest come from a size-k heap and only they are exponentiated;
 //   3. weights w_j = exp((x_j - m)/T) for kept tokens (float, vectorised polynomial exp),
-//      summed per block of BLOCK tokens; with top-p also the mass above four pivots;
+//      summed per block of BLOCK tokens; with top-p also the mass above four pivots. The
+//      weights are not stored: a pass that needs them recomputes them from the row, so the
+//      row is the only array read (the memory traffic is what the time is);
 //   4. top-p (if p < 1): over the kept tokens in ascending (logit, id) order, drop
 //      those whose cumulative probability is <= 1 - p, keeping the largest (vLLM). No
-//      sort: on the dense row a search from the pivots' bracket finds the cut
-//      (top_p_in_place); after top-k, the <= k kept tokens are ordered by a partial sort
-//      (apply_top_p);
+//      sort: on the dense row a search over the candidates between two pivots finds the
+//      cut (apply_top_p_dense); after top-k, the <= k kept tokens are ordered by a partial
+//      sort (apply_top_p);
 //   5. the CDF walk in the chosen order: the first token whose cumulative weight
 //      exceeds u * total; in token-id order whole blocks are skipped by their sums.
 // A row with NaN or no finite logit gets token -1 (the Python caller raises ValueError).
@@ -73,11 +75,22 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // Scratch buffers of one thread, reused across its rows.
 struct Scratch {
-  std::vector<float> w, wt, cx, cw, block_max, block_min, pivot_mass;
-  std::vector<double> block_sum;
+  std::vector<float> wt, cx, cw, dx, dw, block_max, block_min, pivot_mass;
+  std::vector<double> block_sum, block_base;
   std::vector<int64_t> idx;
-  std::vector<int32_t> block_nans, pivot_count;
+  std::vector<int32_t> ci, block_nans, pivot_count;
 };
+
+// A token's weight exp((x - m)/T); 0 below the min-p cut, for -inf, and where float32
+// underflows. The row's weights are never stored: each pass recomputes those it needs. (A
+// pass vectorised differently may round a weight differently where GCC contracts to FMA;
+// the walk's sums tolerate that, as they tolerate the order of summation.)
+inline float weight_of(float x, float m, float inv_t, float min_p_cut) {
+  const float z = (x - m) * inv_t;
+  const float e = exp_nonpositive(z);
+  const bool keep = (x >= min_p_cut) & (z > -87.0f);  // bitwise: no branch, so it vectorises
+  return keep ? e : 0.0f;
+}
 
 // The per-block loops, as functions of plain values and unaliased pointers: inside the
 // lambdas of over_blocks, captured references kept GCC from vectorising them (~8x slower).
@@ -96,17 +109,13 @@ void block_extremes(const float* __restrict x, int64_t lo, int64_t hi, float& ma
   max_out = m, min_out = x_min, nans_out = nans;
 }
 
-// w_j = exp((x_j - m)/T) where x_j >= min_p_cut, else 0; returns the block's float sum.
+// w_j = weight_of(x_j) for j in [lo, hi); returns their float sum.
 float block_weights(const float* __restrict x, float* __restrict w, int64_t lo, int64_t hi, float m, float inv_t,
                     float min_p_cut) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t j = lo; j < hi; ++j) {
-    const float z = (x[j] - m) * inv_t;
-    const float e = exp_nonpositive(z);
-    // Masked (below the min-p cut, or -inf) and float32-underflowing tokens weigh exactly 0.
-    const bool keep = (x[j] >= min_p_cut) & (z > -87.0f);  // bitwise: no branch, so it vectorises
-    const float wj = keep ? e : 0.0f;
+    const float wj = weight_of(x[j], m, inv_t, min_p_cut);
     w[j] = wj;
     s += wj;
   }
@@ -134,18 +143,6 @@ void block_pivot_sums(const float* __restrict x, const float* __restrict w, int6
   }
   mass[0] = a0, mass[1] = a1, mass[2] = a2, mass[3] = a3;
   count[0] = n0, count[1] = n1, count[2] = n2, count[3] = n3;
-}
-
-// Keeps w_j where x_j >= x_star (zero elsewhere); returns the block's float sum.
-float block_keep(const float* __restrict x, float* __restrict w, int64_t lo, int64_t hi, float x_star) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = lo; j < hi; ++j) {
-    const float wj = x[j] >= x_star ? w[j] : 0.0f;
-    w[j] = wj;
-    s += wj;
-  }
-  return s;
 }
 
 // fn(first_block, end_block) over [0, blocks): split across torch's threads when called outside
@@ -206,29 +203,71 @@ void apply_top_p(const float* x, std::vector<int64_t>& idx, std::vector<float>& 
   wt.resize(out);
 }
 
-// Writes the (x, w) pairs of the candidates (w > 0, lo < x <= hi) to the front of ox/ow
-// (each of size >= n + 8) and returns their count. With AVX2, eight lanes at a time: the
-// compare mask picks a permutation that packs the selected lanes first.
-int64_t compact_candidates(const float* px, const float* pw, int64_t n, float lo, float hi, float* ox, float* ow) {
-  int64_t k = 0, j = 0;
 #if defined(__AVX2__)
-  static const auto pack = [] {
-    std::vector<int32_t> table(256 * 8, 0);
+// For each 8-bit mask, the lanes it selects, first: a permutation that packs them.
+const int32_t* pack_table() {
+  static const std::vector<int32_t> table = [] {
+    std::vector<int32_t> t(256 * 8, 0);
     for (int mask = 0; mask < 256; ++mask) {
       int out = 0;
       for (int lane = 0; lane < 8; ++lane)
-        if (mask >> lane & 1) table[mask * 8 + out++] = lane;
+        if (mask >> lane & 1) t[mask * 8 + out++] = lane;
     }
-    return table;
+    return t;
   }();
+  return table.data();
+}
+#endif
+
+// Writes the row's candidates (weight > 0, lo < x <= hi) to the front of ox, their weights
+// to ow and their ids to oi (each of size >= n + 8); returns their count. With AVX2, eight
+// lanes at a time: the compare mask picks a permutation that packs the selected lanes first.
+int64_t compact_row(const float* x, int64_t n, float lo, float hi, float m, float inv_t, float min_p_cut, float* ox,
+                    float* ow, int32_t* oi) {
+  int64_t k = 0, j = 0;
+#if defined(__AVX2__)
+  const int32_t* pack = pack_table();
+  const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vm = _mm256_set1_ps(m);
+  const __m256 vinv = _mm256_set1_ps(inv_t), vcut = _mm256_set1_ps(min_p_cut), vfloor = _mm256_set1_ps(-87.0f);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + j);
+    const __m256 z = _mm256_mul_ps(_mm256_sub_ps(xv, vm), vinv);  // as weight_of
+    const __m256 weighs = _mm256_and_ps(_mm256_cmp_ps(xv, vcut, _CMP_GE_OQ), _mm256_cmp_ps(z, vfloor, _CMP_GT_OQ));
+    const __m256 within = _mm256_and_ps(_mm256_cmp_ps(xv, vlo, _CMP_GT_OQ), _mm256_cmp_ps(xv, vhi, _CMP_LE_OQ));
+    const int mask = _mm256_movemask_ps(_mm256_and_ps(weighs, within));  // no branch on it: unpredictable
+    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack + mask * 8));
+    _mm256_storeu_ps(ox + k, _mm256_permutevar8x32_ps(xv, perm));
+    const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j)), lanes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(oi + k), _mm256_permutevar8x32_epi32(ids, perm));
+    k += __builtin_popcount(mask);
+  }
+#endif
+  for (; j < n; ++j) {
+    const float xj = x[j];
+    const float z = (xj - m) * inv_t;
+    ox[k] = xj;
+    oi[k] = static_cast<int32_t>(j);
+    k += (xj >= min_p_cut) & (z > -87.0f) & (xj > lo) & (xj <= hi);
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) ow[i] = weight_of(ox[i], m, inv_t, min_p_cut);
+  return k;
+}
+
+// Writes the (x, w) pairs of the candidates (w > 0, lo < x <= hi) to the front of ox/ow
+// (each of size >= n + 8) and returns their count; as compact_row.
+int64_t compact_candidates(const float* px, const float* pw, int64_t n, float lo, float hi, float* ox, float* ow) {
+  int64_t k = 0, j = 0;
+#if defined(__AVX2__)
+  const int32_t* pack = pack_table();
   const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), zero = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
     const __m256 xv = _mm256_loadu_ps(px + j), wv = _mm256_loadu_ps(pw + j);
     const __m256 c = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(wv, zero, _CMP_GT_OQ), _mm256_cmp_ps(xv, vlo, _CMP_GT_OQ)),
                                    _mm256_cmp_ps(xv, vhi, _CMP_LE_OQ));
     const int mask = _mm256_movemask_ps(c);
-    if (mask == 0) continue;
-    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack.data() + mask * 8));
+    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack + mask * 8));
     _mm256_storeu_ps(ox + k, _mm256_permutevar8x32_ps(xv, perm));
     _mm256_storeu_ps(ow + k, _mm256_permutevar8x32_ps(wv, perm));
     k += __builtin_popcount(mask);
@@ -256,30 +295,40 @@ struct Cut {
   int32_t ties;       // tokens at x*
 };
 
+// The candidates of the search's first compaction: every token of positive weight with
+// lo < x <= hi, as (x, w, id) in sc.cx/cw/ci[0, n); and sc.block_base[b], the mass of block
+// b's tokens above hi. With them the kept mass per block needs no pass over the row.
 // The search from a bracket. False if the bracket proves inconsistent with this search's own
 // sums (a pivot bracket summed in another order can be, within rounding): no candidate left,
-// or no progress; the caller then searches the whole row.
-bool find_cut(const float* x, const float* w, int64_t vocab, double target, Bracket b, std::vector<float>& cx,
-              std::vector<float>& cw, Cut& cut) {
+// or no progress; the caller then searches the whole row. Its first step compacts the
+// bracket's candidates from the row into sc.cx/cw/ci[0, n_first), kept for the caller (x*
+// lies among them); later ones compact in place in sc.dx/dw once few enough.
+bool find_cut(const float* x, int64_t vocab, float m, float inv_t, float min_p_cut, double target, Bracket b,
+              Scratch& sc, int64_t& n_first, Cut& cut) {
   constexpr float POS_INF = std::numeric_limits<float>::infinity();
   float lo = b.lo, hi = b.hi, cmin = b.cmin, cmax = b.cmax;
   double base = b.base;
-  const float* px = x;
-  const float* pw = w;
-  int64_t n = vocab, n_cand = b.n_cand;
+  sc.cx.resize(vocab + 8);
+  sc.cw.resize(vocab + 8);
+  sc.ci.resize(vocab + 8);
+  int64_t n = compact_row(x, vocab, lo, hi, m, inv_t, min_p_cut, sc.cx.data(), sc.cw.data(), sc.ci.data());
+  n_first = n;
+  const float* px = sc.cx.data();
+  const float* pw = sc.cw.data();
+  int64_t n_cand = n;
   // Value bisection on floats, and exact jumps to ml/mb: far fewer steps than this.
   for (int step = 0; step < 512; ++step) {
     if (!(cmin <= cmax)) return false;
     if (n_cand * 4 <= n) {
-      // Candidates are a small part of the array: compact them (in place once in cx; the
-      // packing never writes past what it has read).
-      if (px == x) {
-        cx.resize(vocab + 8);
-        cw.resize(vocab + 8);
+      // Candidates are a small part of the array: compact them in place (the packing never
+      // writes past what it has read), first out of cx/cw, which the caller still needs.
+      if (px == sc.cx.data()) {
+        sc.dx.resize(n + 8);
+        sc.dw.resize(n + 8);
       }
-      n = compact_candidates(px, pw, n, lo, hi, cx.data(), cw.data());
-      px = cx.data();
-      pw = cw.data();
+      n = compact_candidates(px, pw, n, lo, hi, sc.dx.data(), sc.dw.data());
+      px = sc.dx.data();
+      pw = sc.dw.data();
       n_cand = n;
     }
     // Pivot θ with cmin <= θ < cmax splits the candidates (bisection on the logit value);
@@ -355,6 +404,18 @@ bool find_cut(const float* x, const float* w, int64_t vocab, double target, Brac
   return false;
 }
 
+// The kept tokens and their weights: weight_of(x_j) > 0 and (x_j > x_star, or x_j == x_star
+// and j >= id_cut).
+struct Keep {
+  float m, inv_t, min_p_cut;
+  float x_star = NEG_INF;
+  int64_t id_cut = 0;
+  float operator()(const float* x, int64_t j) const {  // the weight, 0 if not kept
+    const bool kept = x[j] > x_star || (x[j] == x_star && j >= id_cut);
+    return kept ? weight_of(x[j], m, inv_t, min_p_cut) : 0.0f;
+  }
+};
+
 // vLLM's top-p over the dense weights without sorting: find the cut (x*, id*) such
 // that the kept set {x > x*} ∪ {x == x*, id >= id*} is exactly the descending (logit, id)
 // prefix whose mass strictly above each member is < p * total. x* is the largest logit
@@ -363,52 +424,45 @@ bool find_cut(const float* x, const float* w, int64_t vocab, double target, Brac
 // the smallest logit above θ is x* when A minus that logit's own mass is < target. Each
 // step is one vectorised pass (masked sum, min, max, count) over the current candidates,
 // which are compacted once few enough; it starts from the bracket of the caller's pivot
-// sums. Then the kept weights replace w (others become 0), and the block sums are
-// recomputed over them. Returns the kept mass.
-double top_p_in_place(const float* x, int64_t vocab, std::vector<float>& w, std::vector<double>& block_sum,
-                      double total, float top_p, Bracket start, float lowest, float x_max, std::vector<float>& cx,
-                      std::vector<float>& cw) {
+// sums. The kept mass per block is then each block's mass above the bracket (sc.block_base,
+// from the pivot sums) plus its kept candidates: no further pass over the row. Sets `keep`'s
+// cut and block_sum; returns the kept mass.
+double apply_top_p_dense(const float* x, int64_t vocab, std::vector<double>& block_sum, double total, float top_p,
+                         Bracket start, float lowest, Scratch& sc, Keep& keep) {
   const double target = static_cast<double>(top_p) * total;
-  Cut cut{NEG_INF, 0.0, 0};  // kept: everything (only if even the whole-row search fails)
-  const Bracket whole{NEG_INF, std::numeric_limits<float>::infinity(), lowest, x_max, 0.0, vocab};
-  if (!find_cut(x, w.data(), vocab, target, start, cx, cw, cut))
-    if (!find_cut(x, w.data(), vocab, target, whole, cx, cw, cut)) cut = {NEG_INF, 0.0, 0};
-  const float x_star = cut.x_star;
-  const double above_star = cut.above_star;
-  const int32_t ties = cut.ties;
+  Cut cut{NEG_INF, 0.0, 0};
+  int64_t n_first = 0;
+  const Bracket whole{NEG_INF, std::numeric_limits<float>::infinity(), lowest, keep.m, 0.0, vocab};
+  if (!find_cut(x, vocab, keep.m, keep.inv_t, keep.min_p_cut, target, start, sc, n_first, cut)) {
+    std::fill(sc.block_base.begin(), sc.block_base.end(), 0.0);  // nothing lies above hi = +inf
+    if (!find_cut(x, vocab, keep.m, keep.inv_t, keep.min_p_cut, target, whole, sc, n_first, cut))
+      return total;  // keep everything: neither search was consistent (never seen)
+  }
   // Ties at x*: the larger ids sit above (vLLM's ascending sort, stable here) and are kept
   // while the mass above them is < target.
+  const float x_star = cut.x_star;
   int64_t id_cut = 0;
-  double tie_above = above_star;
-  if (ties > 1) {
-    for (int64_t j = vocab - 1; j >= 0; --j) {
-      if (!(w[j] > 0.0f) || x[j] != x_star) continue;
+  if (cut.ties > 1) {
+    std::vector<std::pair<int32_t, float>> tied;
+    for (int64_t i = 0; i < n_first; ++i)
+      if (sc.cx[i] == x_star) tied.emplace_back(sc.ci[i], sc.cw[i]);
+    std::sort(tied.begin(), tied.end(), std::greater<>());
+    double tie_above = cut.above_star;
+    for (const auto& [j, wj] : tied) {
       if (tie_above >= target) break;
-      tie_above += w[j];
+      tie_above += wj;
       id_cut = j;
     }
   }
-  // Keep x > x*, and at x* the ids >= id_cut (all of them when there is one token at x*).
-  // Two loops so the common one compares values only (a per-index test kept GCC scalar), and
-  // through a raw pointer (stores through the vector itself were not vectorised: ~7x slower).
-  float* wp = w.data();
+  keep.x_star = x_star;
+  keep.id_cut = id_cut;
   const int64_t blocks = static_cast<int64_t>(block_sum.size());
-  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t begin = b * BLOCK, end = std::min(vocab, begin + BLOCK);
-      float s = 0.0f;
-      if (ties <= 1 || id_cut <= begin) {
-        s = block_keep(x, wp, begin, end, x_star);
-      } else {
-        for (int64_t j = begin; j < end; ++j) {
-          const bool keep = (x[j] > x_star) | ((x[j] == x_star) & (j >= id_cut));
-          wp[j] = keep ? wp[j] : 0.0f;
-          s += wp[j];
-        }
-      }
-      block_sum[b] = s;
-    }
-  });
+  for (int64_t b = 0; b < blocks; ++b) block_sum[b] = sc.block_base[b];
+  for (int64_t i = 0; i < n_first; ++i) {
+    const float xi = sc.cx[i];
+    const int32_t j = sc.ci[i];
+    if (xi > x_star || (xi == x_star && j >= id_cut)) block_sum[j / BLOCK] += sc.cw[i];
+  }
   double kept = 0.0;
   for (int64_t b = 0; b < blocks; ++b) kept += block_sum[b];
   return kept;
@@ -453,7 +507,6 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   }
   if (nans || !(m > NEG_INF)) return {-1, 0.0, 0.0};  // caller raises
   const float min_p_cut = min_p > 0.0f ? m + temperature * std::log(min_p) : -std::numeric_limits<float>::max();
-  std::vector<float>& w = sc.w;
   std::vector<int64_t>& idx = sc.idx;
   std::vector<float>& wt = sc.wt;
 
@@ -500,9 +553,11 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     return walk(idx, wt, u, sorted_order);
   }
 
-  // Dense path: weights for the whole row, summed per block; with top-p, also the mass and
-  // count above each pivot, per block.
+  // Dense path: the weights summed per block (each block's weights in a buffer in L1, not
+  // stored: the row is read again where needed, not a second array); with top-p, also the
+  // mass and count above each pivot, per block.
   const bool pivots = top_p < 1.0f;
+  Keep keep{m, inv_t, min_p_cut};  // every token of positive weight, unless top-p cuts
   float theta[PIVOTS];
   for (int i = 0; i < PIVOTS; ++i) theta[i] = m + temperature * PIVOT_Z[i];
   std::vector<double>& block_sum = sc.block_sum;
@@ -511,17 +566,16 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     sc.pivot_mass.assign(blocks * PIVOTS, 0.0f);
     sc.pivot_count.assign(blocks * PIVOTS, 0);
   }
-  w.resize(vocab);
-  float* wp = w.data();  // a raw pointer: stores through the vector itself are not vectorised
   over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    alignas(64) float wb[BLOCK];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
-      block_sum[b] = block_weights(x, wp, lo, hi, m, inv_t, min_p_cut);
+      const int64_t lo = b * BLOCK, len = std::min(vocab, lo + BLOCK) - lo;
+      block_sum[b] = block_weights(x + lo, wb, 0, len, m, inv_t, min_p_cut);
       // A second pass over the block while it is in L1: the masked sums vectorise there,
       // where one loop with the exponential and eight more reductions did not.
       if (pivots)
-        block_pivot_sums(x, wp, lo, hi, theta[0], theta[1], theta[2], theta[3], sc.pivot_mass.data() + b * PIVOTS,
-                         sc.pivot_count.data() + b * PIVOTS);
+        block_pivot_sums(x + lo, wb, 0, len, theta[0], theta[1], theta[2], theta[3],
+                         sc.pivot_mass.data() + b * PIVOTS, sc.pivot_count.data() + b * PIVOTS);
     }
   });
   double total = 0.0;
@@ -540,12 +594,14 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     const double target = static_cast<double>(top_p) * total;
     Bracket start{NEG_INF, std::numeric_limits<float>::infinity(), lowest, m, 0.0, vocab};
     int64_t count_lo = vocab, count_hi = 0;
+    int hi_pivot = -1;
     for (int i = 0; i < PIVOTS; ++i) {  // theta decreasing, mass increasing
       if (mass[i] < target) {
         start.hi = theta[i];
         start.cmax = std::min(m, theta[i]);
         start.base = mass[i];
         count_hi = count[i];
+        hi_pivot = i;
       } else {
         start.lo = theta[i];
         start.cmin = std::max(lowest, theta[i]);
@@ -554,15 +610,18 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
       }
     }
     start.n_cand = count_lo - count_hi;
-    total = top_p_in_place(x, vocab, w, block_sum, total, top_p, start, lowest, m, sc.cx, sc.cw);
+    sc.block_base.resize(blocks);
+    for (int64_t b = 0; b < blocks; ++b)
+      sc.block_base[b] = hi_pivot < 0 ? 0.0 : static_cast<double>(sc.pivot_mass[b * PIVOTS + hi_pivot]);
+    total = apply_top_p_dense(x, vocab, block_sum, total, top_p, start, lowest, sc, keep);
   }
   if (sorted_order) {
     idx.clear();
     wt.clear();
     for (int64_t j = 0; j < vocab; ++j)
-      if (w[j] > 0.0f) {
+      if (const float wj = keep(x, j); wj > 0.0f) {
         idx.push_back(j);
-        wt.push_back(w[j]);
+        wt.push_back(wj);
       }
     return walk(idx, wt, u, true);
   }
@@ -573,16 +632,17 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     if (block_sum[b] > 0.0 && acc + block_sum[b] > target) {
       const int64_t lo = b * BLOCK, hi = std::min(vocab, lo + BLOCK);
       for (int64_t j = lo; j < hi; ++j) {
-        if (w[j] <= 0.0f) continue;
-        if (acc + w[j] > target) return {j, acc / total, w[j] / total};
-        acc += w[j];
+        const float wj = keep(x, j);
+        if (!(wj > 0.0f)) continue;
+        if (acc + wj > target) return {j, acc / total, wj / total};
+        acc += wj;
       }
       continue;  // rounding left the target past this block's partial sums
     }
     acc += block_sum[b];
   }
-  for (int64_t j = vocab - 1; j >= 0; --j)  // u within rounding of 1: the last positive token
-    if (w[j] > 0.0f) return {j, (total - w[j]) / total, w[j] / total};
+  for (int64_t j = vocab - 1; j >= 0; --j)  // u within rounding of 1: the last kept token
+    if (const float wj = keep(x, j); wj > 0.0f) return {j, (total - wj) / total, wj / total};
   return {-1, 0.0, 0.0};
 }
 
@@ -613,7 +673,8 @@ std::vector<torch::Tensor> fused_inverse_cdf(const torch::Tensor& logits, const 
   double* st = starts.data_ptr<double>();
   double* pr = probs.data_ptr<double>();
   auto rows = [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+    // Kept by each thread across calls: sized for the vocabulary once, not zero-filled per call.
+    thread_local Scratch scratch;
     for (int64_t r = begin; r < end; ++r) {
       const RowResult res = sample_row(xp + r * vocab, vocab, tp[r], kp[r], pp[r], mpp[r], up[r], sorted_order, scratch);
       tok[r] = res.token;

@@ -23,6 +23,7 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith("32 ")]
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
+    assert "CPU: " in done.stdout  # every timing names its CPU
 
 
 def quick(script: str, model_dir: str) -> subprocess.CompletedProcess:
