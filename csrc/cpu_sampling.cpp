@@ -92,10 +92,11 @@ inline float weight_of(float x, float m, float inv_t, float min_p_cut) {
   return keep ? e : 0.0f;
 }
 
-// The per-block loops, as functions of plain values and unaliased pointers: inside the
-// lambdas of over_blocks, captured references kept GCC from vectorising them (~8x slower).
+// The per-block loops, as functions of plain values and unaliased pointers, not inlined: inside
+// the lambdas of over_blocks, captured references kept GCC from vectorising them (~8x slower),
+// and inlined there GCC left the weights' loop scalar once the lambda grew (~6x slower).
 
-void block_extremes(const float* __restrict x, int64_t lo, int64_t hi, float& max_out, float& min_out,
+__attribute__((noinline)) void block_extremes(const float* __restrict x, int64_t lo, int64_t hi, float& max_out, float& min_out,
                     int32_t& nans_out) {
   float m = NEG_INF, x_min = std::numeric_limits<float>::infinity();
   int32_t nans = 0;
@@ -110,7 +111,7 @@ void block_extremes(const float* __restrict x, int64_t lo, int64_t hi, float& ma
 }
 
 // w_j = weight_of(x_j) for j in [lo, hi); returns their float sum.
-float block_weights(const float* __restrict x, float* __restrict w, int64_t lo, int64_t hi, float m, float inv_t,
+__attribute__((noinline)) float block_weights(const float* __restrict x, float* __restrict w, int64_t lo, int64_t hi, float m, float inv_t,
                     float min_p_cut) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -123,7 +124,7 @@ float block_weights(const float* __restrict x, float* __restrict w, int64_t lo, 
 }
 
 // The mass and count of positive weights above each of four pivots (t0 > t1 > t2 > t3).
-void block_pivot_sums(const float* __restrict x, const float* __restrict w, int64_t lo, int64_t hi, float t0,
+__attribute__((noinline)) void block_pivot_sums(const float* __restrict x, const float* __restrict w, int64_t lo, int64_t hi, float t0,
                       float t1, float t2, float t3, float* __restrict mass, int32_t* __restrict count) {
   float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
   int32_t n0 = 0, n1 = 0, n2 = 0, n3 = 0;
