@@ -75,11 +75,10 @@ def test_sampled_and_top_logprobs_equal_the_models(engine, hf_model, method):
     assert checked >= 8
 
 
+@pytest.mark.parametrize("engine", [m for m in MODES if m.endswith("logprobs")], indirect=True)  # the ratio's input
 def test_the_importance_ratio_of_an_unchanged_policy_is_one(engine, hf_model):
     # What TRL's vllm_importance_sampling_correction computes: exp(trainer − vLLM) per token.
     mode, llm = engine
-    if not mode.endswith("logprobs"):
-        pytest.skip("the ratio is defined on logprobs")
     params = SamplingParams(n=8, max_tokens=6, temperature=0.9, logprobs=0, extra_args={"qmc_method": "lattice"})
     out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     ratios = []
