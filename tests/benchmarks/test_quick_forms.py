@@ -2,7 +2,6 @@
 built for another CPU, is a red test). The engine benchmarks run on the tiny test model: the
 point is that each one runs here, not its figures."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +25,9 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
     assert "CPU: " in done.stdout  # every timing names its CPU
 
 
-def quick(script: str, model_dir: str) -> subprocess.CompletedProcess:
-    # No process of its own for the model (conftest's ENGINE_CORE_RUNS_THE_MODEL): a vllm.LLM's
-    # engine core runs in the script (it starts in ~3 s, not ~17 s), a server's model in its engine core.
-    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def quick(script: str, model_dir: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # env: conftest's engine_core_env. No process of its own for the model: a vllm.LLM's engine
+    # core runs in the script (it starts in ~3 s, not ~17 s), a server's model in its engine core.
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick", "--model", model_dir],
         capture_output=True, text=True, timeout=900, env=env,
@@ -38,32 +36,32 @@ def quick(script: str, model_dir: str) -> subprocess.CompletedProcess:
     return done
 
 
-def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir):
-    done = quick("rollout_diversity.py", tiny_model_dir)
+def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir, engine_core_env):
+    done = quick("rollout_diversity.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     for path in ("vllm (", "hf ("):
         assert path in done.stdout, done.stdout
     assert done.stdout.count("(lattice / i.i.d.)") == 2
 
 
-def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir):
-    done = quick("reproducibility.py", tiny_model_dir)
+def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir, engine_core_env):
+    done = quick("reproducibility.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["iid"], ["lattice"])]
     assert len(rows) == 2 and all(0.0 <= float(r[1]) <= 1.0 for r in rows), done.stdout
 
 
-def test_the_end_to_end_overhead_quick_form_runs(tiny_model_dir):
-    done = quick("e2e_overhead.py", tiny_model_dir)
+def test_the_end_to_end_overhead_quick_form_runs(tiny_model_dir, engine_core_env):
+    done = quick("e2e_overhead.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout and "throughput ratio lattice/plain = " in done.stdout, done.stdout
 
 
-def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir):
-    done = quick("server_load.py", tiny_model_dir)
+def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_core_env):
+    done = quick("server_load.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout and "qmc-serve / vLLM's server = " in done.stdout, done.stdout
     assert "burst: only the expected 429s" in done.stdout
 
 
-def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir):
-    done = quick("fleet_scaling.py", tiny_model_dir)
+def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env):
+    done = quick("fleet_scaling.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout

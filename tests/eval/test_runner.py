@@ -125,7 +125,7 @@ def test_resuming_with_other_settings_is_refused(llm, tmp_path):
         run(config(tmp_path / "a", problems=1, groups=1, n=8), engine=llm, progress=False)
 
 
-def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path):
+def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env):
     out = tmp_path / "cli"
     done = subprocess.run(
         [
@@ -151,8 +151,7 @@ def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path):
         ],
         capture_output=True,
         text=True,
-        # the engine core in the CLI's process (conftest's ENGINE_CORE_RUNS_THE_MODEL): ~20 s less
-        env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env=engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"},  # the model in the CLI's process: ~20 s less
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
