@@ -296,9 +296,6 @@ struct Cut {
   int32_t ties;       // tokens at x*
 };
 
-// The candidates of the search's first compaction: every token of positive weight with
-// lo < x <= hi, as (x, w, id) in sc.cx/cw/ci[0, n); and sc.block_base[b], the mass of block
-// b's tokens above hi. With them the kept mass per block needs no pass over the row.
 // The search from a bracket. False if the bracket proves inconsistent with this search's own
 // sums (a pivot bracket summed in another order can be, within rounding): no candidate left,
 // or no progress; the caller then searches the whole row. Its first step compacts the
