@@ -77,7 +77,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 struct Scratch {
   std::vector<float> wt, cx, cw, dx, dw, block_max, block_min, pivot_mass;
   std::vector<double> block_sum, block_base;
-  std::vector<int64_t> idx;
+  std::vector<int64_t> idx, range_count;
   std::vector<int32_t> ci, block_nans, pivot_count;
 };
 
@@ -220,11 +220,13 @@ const int32_t* pack_table() {
 }
 #endif
 
-// Writes the row's candidates (weight > 0, lo < x <= hi) to the front of ox, their weights
-// to ow and their ids to oi (each of size >= n + 8); returns their count. With AVX2, eight
-// lanes at a time: the compare mask picks a permutation that packs the selected lanes first.
-int64_t compact_row(const float* x, int64_t n, float lo, float hi, float m, float inv_t, float min_p_cut, float* ox,
-                    float* ow, int32_t* oi) {
+// Writes the candidates among x[0, n) (weight > 0, lo < x <= hi) to the front of ox, their
+// weights to ow and their ids (first_id + position) to oi (each of size >= n + 8); returns
+// their count. With AVX2, eight lanes at a time: the compare mask picks a permutation that
+// packs the selected lanes first.
+__attribute__((noinline)) int64_t compact_row(const float* x, int64_t n, float lo, float hi, float m, float inv_t,
+                                              float min_p_cut, float* ox, float* ow, int32_t* oi,
+                                              int64_t first_id = 0) {
   int64_t k = 0, j = 0;
 #if defined(__AVX2__)
   const int32_t* pack = pack_table();
@@ -239,7 +241,7 @@ int64_t compact_row(const float* x, int64_t n, float lo, float hi, float m, floa
     const int mask = _mm256_movemask_ps(_mm256_and_ps(weighs, within));  // no branch on it: unpredictable
     const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack + mask * 8));
     _mm256_storeu_ps(ox + k, _mm256_permutevar8x32_ps(xv, perm));
-    const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j)), lanes);
+    const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_id + j)), lanes);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(oi + k), _mm256_permutevar8x32_epi32(ids, perm));
     k += __builtin_popcount(mask);
   }
@@ -248,7 +250,7 @@ int64_t compact_row(const float* x, int64_t n, float lo, float hi, float m, floa
     const float xj = x[j];
     const float z = (xj - m) * inv_t;
     ox[k] = xj;
-    oi[k] = static_cast<int32_t>(j);
+    oi[k] = static_cast<int32_t>(first_id + j);
     k += (xj >= min_p_cut) & (z > -87.0f) & (xj > lo) & (xj <= hi);
   }
 #pragma omp simd
@@ -283,6 +285,36 @@ int64_t compact_candidates(const float* px, const float* pw, int64_t n, float lo
   return k;
 }
 
+// compact_row over the whole row into sc.cx/cw/ci[0, count), split over the threads like the
+// other passes (a row alone): each range of blocks compacts into a region of its own, then the
+// regions are moved together in order.
+int64_t compact_row_split(const float* x, int64_t vocab, float lo, float hi, float m, float inv_t, float min_p_cut,
+                          Scratch& sc) {
+  constexpr int64_t REGION = BLOCK + 8;  // per block: room for the vector stores past a range's end
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  sc.cx.resize(blocks * REGION);
+  sc.cw.resize(blocks * REGION);
+  sc.ci.resize(blocks * REGION);
+  sc.range_count.assign(blocks, -1);  // at a range's first block: its count
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    const int64_t begin = b0 * BLOCK, end = std::min(vocab, b1 * BLOCK);
+    sc.range_count[b0] = compact_row(x + begin, end - begin, lo, hi, m, inv_t, min_p_cut, sc.cx.data() + b0 * REGION,
+                                     sc.cw.data() + b0 * REGION, sc.ci.data() + b0 * REGION, begin);
+  });
+  int64_t n = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t count = sc.range_count[b];
+    if (count < 0) continue;
+    if (b * REGION != n) {  // forward only: n <= b * REGION
+      std::memmove(sc.cx.data() + n, sc.cx.data() + b * REGION, count * sizeof(float));
+      std::memmove(sc.cw.data() + n, sc.cw.data() + b * REGION, count * sizeof(float));
+      std::memmove(sc.ci.data() + n, sc.ci.data() + b * REGION, count * sizeof(int32_t));
+    }
+    n += count;
+  }
+  return n;
+}
+
 struct Bracket {
   float lo, hi;      // mass(x > lo) >= target > mass(x > hi)
   float cmin, cmax;  // bounds of the candidates' logits (lo < x <= hi, w > 0)
@@ -306,10 +338,7 @@ bool find_cut(const float* x, int64_t vocab, float m, float inv_t, float min_p_c
   constexpr float POS_INF = std::numeric_limits<float>::infinity();
   float lo = b.lo, hi = b.hi, cmin = b.cmin, cmax = b.cmax;
   double base = b.base;
-  sc.cx.resize(vocab + 8);
-  sc.cw.resize(vocab + 8);
-  sc.ci.resize(vocab + 8);
-  int64_t n = compact_row(x, vocab, lo, hi, m, inv_t, min_p_cut, sc.cx.data(), sc.cw.data(), sc.ci.data());
+  int64_t n = compact_row_split(x, vocab, lo, hi, m, inv_t, min_p_cut, sc);
   n_first = n;
   const float* px = sc.cx.data();
   const float* pw = sc.cw.data();
