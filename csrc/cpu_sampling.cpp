@@ -78,7 +78,7 @@ struct Scratch {
   std::vector<float> wt, cx, cw, dx, dw, block_max, block_min, pivot_mass;
   std::vector<double> block_sum, block_base;
   std::vector<int64_t> idx, range_count;
-  std::vector<int32_t> ci, block_nans, pivot_count;
+  std::vector<int32_t> ci, block_nans;
 };
 
 // A token's weight exp((x - m)/T); 0 below the min-p cut, for -inf, and where float32
@@ -123,27 +123,21 @@ __attribute__((noinline)) float block_weights(const float* __restrict x, float* 
   return s;
 }
 
-// The mass and count of positive weights above each of four pivots (t0 > t1 > t2 > t3).
-__attribute__((noinline)) void block_pivot_sums(const float* __restrict x, const float* __restrict w, int64_t lo, int64_t hi, float t0,
-                      float t1, float t2, float t3, float* __restrict mass, int32_t* __restrict count) {
+// The mass of positive weights above each of four pivots (t0 > t1 > t2 > t3).
+__attribute__((noinline)) void block_pivot_sums(const float* __restrict x, const float* __restrict w, int64_t lo,
+                                                int64_t hi, float t0, float t1, float t2, float t3,
+                                                float* __restrict mass) {
   float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-  int32_t n0 = 0, n1 = 0, n2 = 0, n3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, n0, n1, n2, n3)
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
   for (int64_t j = lo; j < hi; ++j) {
     const float xj = x[j], wj = w[j];
     const bool p = wj > 0.0f;
-    const bool u0 = p & (xj > t0), u1 = p & (xj > t1), u2 = p & (xj > t2), u3 = p & (xj > t3);
-    a0 += u0 ? wj : 0.0f;
-    a1 += u1 ? wj : 0.0f;
-    a2 += u2 ? wj : 0.0f;
-    a3 += u3 ? wj : 0.0f;
-    n0 += u0 ? 1 : 0;
-    n1 += u1 ? 1 : 0;
-    n2 += u2 ? 1 : 0;
-    n3 += u3 ? 1 : 0;
+    a0 += (p & (xj > t0)) ? wj : 0.0f;
+    a1 += (p & (xj > t1)) ? wj : 0.0f;
+    a2 += (p & (xj > t2)) ? wj : 0.0f;
+    a3 += (p & (xj > t3)) ? wj : 0.0f;
   }
   mass[0] = a0, mass[1] = a1, mass[2] = a2, mass[3] = a3;
-  count[0] = n0, count[1] = n1, count[2] = n2, count[3] = n3;
 }
 
 // fn(first_block, end_block) over [0, blocks): split across torch's threads when called outside
@@ -319,7 +313,6 @@ struct Bracket {
   float lo, hi;      // mass(x > lo) >= target > mass(x > hi)
   float cmin, cmax;  // bounds of the candidates' logits (lo < x <= hi, w > 0)
   double base;       // mass(x > hi)
-  int64_t n_cand;    // at most this many candidates
 };
 
 struct Cut {
@@ -459,7 +452,7 @@ double apply_top_p_dense(const float* x, int64_t vocab, std::vector<double>& blo
   const double target = static_cast<double>(top_p) * total;
   Cut cut{NEG_INF, 0.0, 0};
   int64_t n_first = 0;
-  const Bracket whole{NEG_INF, std::numeric_limits<float>::infinity(), lowest, keep.m, 0.0, vocab};
+  const Bracket whole{NEG_INF, std::numeric_limits<float>::infinity(), lowest, keep.m, 0.0};
   if (!find_cut(x, vocab, keep.m, keep.inv_t, keep.min_p_cut, target, start, sc, n_first, cut)) {
     std::fill(sc.block_base.begin(), sc.block_base.end(), 0.0);  // nothing lies above hi = +inf
     if (!find_cut(x, vocab, keep.m, keep.inv_t, keep.min_p_cut, target, whole, sc, n_first, cut))
@@ -589,10 +582,7 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   for (int i = 0; i < PIVOTS; ++i) theta[i] = m + temperature * PIVOT_Z[i];
   std::vector<double>& block_sum = sc.block_sum;
   block_sum.assign(blocks, 0.0);
-  if (pivots) {
-    sc.pivot_mass.assign(blocks * PIVOTS, 0.0f);
-    sc.pivot_count.assign(blocks * PIVOTS, 0);
-  }
+  if (pivots) sc.pivot_mass.assign(blocks * PIVOTS, 0.0f);
   over_blocks(blocks, [&](int64_t b0, int64_t b1) {
     alignas(64) float wb[BLOCK];
     for (int64_t b = b0; b < b1; ++b) {
@@ -601,8 +591,7 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
       // A second pass over the block while it is in L1: the masked sums vectorise there,
       // where one loop with the exponential and eight more reductions did not.
       if (pivots)
-        block_pivot_sums(x + lo, wb, 0, len, theta[0], theta[1], theta[2], theta[3],
-                         sc.pivot_mass.data() + b * PIVOTS, sc.pivot_count.data() + b * PIVOTS);
+        block_pivot_sums(x + lo, wb, 0, len, theta[0], theta[1], theta[2], theta[3], sc.pivot_mass.data() + b * PIVOTS);
     }
   });
   double total = 0.0;
@@ -611,32 +600,24 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
     // Tokens of positive weight lie above all three bounds (z > -87: see exp_nonpositive).
     const float lowest = std::max({x_min, min_p_cut, m - 87.0f * temperature});
     double mass[PIVOTS] = {0.0, 0.0, 0.0, 0.0};
-    int64_t count[PIVOTS] = {0, 0, 0, 0};
     for (int64_t b = 0; b < blocks; ++b)
-      for (int i = 0; i < PIVOTS; ++i) {
-        mass[i] += sc.pivot_mass[b * PIVOTS + i];
-        count[i] += sc.pivot_count[b * PIVOTS + i];
-      }
+      for (int i = 0; i < PIVOTS; ++i) mass[i] += sc.pivot_mass[b * PIVOTS + i];
     // The bracket: lo the highest pivot with mass above it >= target, hi the lowest with less.
     const double target = static_cast<double>(top_p) * total;
-    Bracket start{NEG_INF, std::numeric_limits<float>::infinity(), lowest, m, 0.0, vocab};
-    int64_t count_lo = vocab, count_hi = 0;
+    Bracket start{NEG_INF, std::numeric_limits<float>::infinity(), lowest, m, 0.0};
     int hi_pivot = -1;
     for (int i = 0; i < PIVOTS; ++i) {  // theta decreasing, mass increasing
       if (mass[i] < target) {
         start.hi = theta[i];
         start.cmax = std::min(m, theta[i]);
         start.base = mass[i];
-        count_hi = count[i];
         hi_pivot = i;
       } else {
         start.lo = theta[i];
         start.cmin = std::max(lowest, theta[i]);
-        count_lo = count[i];
         break;
       }
     }
-    start.n_cand = count_lo - count_hi;
     sc.block_base.resize(blocks);
     for (int64_t b = 0; b < blocks; ++b)
       sc.block_base[b] = hi_pivot < 0 ? 0.0 : static_cast<double>(sc.pivot_mass[b * PIVOTS + hi_pivot]);
