@@ -59,10 +59,22 @@ def _cpp_kernel():  # -> module | None, with the reason logged/warned once
 def backend_for(device: torch.device) -> str:
     """The backend used for logits on ``device`` (see module docstring).
 
+    Decided once per device type and setting of ``QMC_SAMPLER_BACKEND`` and
+    ``TRITON_INTERPRET`` (this runs in every decoding step; probing Triton and CUDA
+    costs tens of microseconds).
+
     Raises:
         ValueError: ``QMC_SAMPLER_BACKEND`` names an unknown or unavailable backend.
     """
     forced = os.environ.get("QMC_SAMPLER_BACKEND", "").strip()
+    # Only a choice that may involve Triton depends on TRITON_INTERPRET (read by triton_available).
+    involves_triton = device.type != "cpu" or forced == "triton"
+    return _backend(device.type, forced, os.environ.get("TRITON_INTERPRET") if involves_triton else None)
+
+
+@lru_cache(maxsize=32)
+def _backend(device_type: str, forced: str, triton_interpret: str | None) -> str:
+    # triton_interpret is only part of the cache key: triton_available reads it.
     if forced and forced not in BACKENDS:
         raise ValueError(f"QMC_SAMPLER_BACKEND={forced!r} is not a backend; use one of {list(BACKENDS)}")
     if forced == "torch":
@@ -75,16 +87,16 @@ def backend_for(device: torch.device) -> str:
                 "QMC_SAMPLER_BACKEND='triton' but Triton has no device here (no CUDA, no TRITON_INTERPRET)"
             )
         return "triton"
-    cpp_ok = device.type == "cpu" and _cpp_kernel() is not None
+    cpp_ok = device_type == "cpu" and _cpp_kernel() is not None
     if forced == "cpp" and not cpp_ok:
-        raise ValueError(f"QMC_SAMPLER_BACKEND='cpp' but the fused CPU kernel is unavailable for {device.type} logits")
+        raise ValueError(f"QMC_SAMPLER_BACKEND='cpp' but the fused CPU kernel is unavailable for {device_type} logits")
     if cpp_ok:
         choice = "cpp"
-    elif device.type == "cuda" and triton_available():
+    elif device_type == "cuda" and triton_available():
         choice = "triton"
     else:
         choice = "torch"
-    _log_choice(device.type, choice)
+    _log_choice(device_type, choice)
     return choice
 
 
@@ -128,13 +140,19 @@ def fused_draw(
     tokens, starts, probs = _cpp_kernel().fused_inverse_cdf(
         logits,
         temperature,
-        top_k if top_k is not None else torch.zeros(batch, dtype=torch.long),
-        top_p if top_p is not None else torch.ones(batch),
-        min_p if min_p is not None else torch.zeros(batch),
+        top_k if top_k is not None else _constant(batch, 0, torch.long),
+        top_p if top_p is not None else _constant(batch, 1.0, torch.float32),
+        min_p if min_p is not None else _constant(batch, 0.0, torch.float32),
         uniforms,
         order == "sorted",
     )
     return _checked(Draw(tokens=tokens, starts=starts, probs=probs), check)
+
+
+@lru_cache(maxsize=64)
+def _constant(batch: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    # A disabled filter's [batch] CPU parameter, made once per batch size: the kernel only reads it.
+    return torch.full((batch,), value, dtype=dtype)
 
 
 def _checked(draw: Draw, check: bool) -> Draw:

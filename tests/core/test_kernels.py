@@ -162,3 +162,19 @@ def test_forcing_a_backend(monkeypatch):
 def test_every_backend_falls_back_to_torch_off_the_cpu():
     monkeypatch_free = backend_for(torch.device("meta"))
     assert monkeypatch_free == "torch"
+
+
+def test_the_backend_is_decided_once_per_device_type_not_per_step(monkeypatch):
+    """Probing Triton and CUDA costs tens of microseconds: a decoding step must not pay it."""
+    import qmc_sampler.triton_kernels
+
+    monkeypatch.delenv("QMC_SAMPLER_BACKEND", raising=False)
+    first = backend_for(torch.device("cuda"))
+
+    def probed_again() -> bool:
+        raise AssertionError("triton_available() was called again for the same device type and settings")
+
+    monkeypatch.setattr(qmc_sampler.triton_kernels, "triton_available", probed_again)
+    assert backend_for(torch.device("cuda")) == first
+    monkeypatch.setenv("QMC_SAMPLER_BACKEND", "torch")  # another setting decides afresh
+    assert backend_for(torch.device("cuda")) == "torch"
