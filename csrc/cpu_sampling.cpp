@@ -6,7 +6,8 @@
 //   2. thresholds in logit space: min-p keeps x >= m + T*log(min_p) (p_j/p_max >= min_p),
 //      top-k keeps x >= the k-th largest (ties kept), exactly vLLM's rules
 //      (vllm/v1/sample/logits_processor/builtin.py, ops/topk_topp_sampler.py). With
-//      top-k the k largest come from a size-k heap and only they are exponentiated;
+//      top-k the k largest come from size-k heaps (one per range of blocks) and only the
+//      tokens at or above the k-th, compacted, are exponentiated;
 //   3. weights w_j = exp((x_j - m)/T) for kept tokens (float, vectorised polynomial exp),
 //      summed per block of BLOCK tokens; with top-p also the mass above eight pivots. The
 //      weights are not stored: a pass that needs them recomputes them from the row, so the
@@ -78,6 +79,7 @@ struct Scratch {
   std::vector<float> wt, cx, cw, dx, dw, block_max, block_min, pivot_mass;
   std::vector<double> block_sum, block_base;
   std::vector<int64_t> idx, range_count;
+  std::vector<std::vector<float>> heaps;  // top-k: one per range of blocks
   std::vector<int32_t> ci, block_nans;
 };
 
@@ -518,6 +520,34 @@ RowResult walk(const std::vector<int64_t>& idx, const std::vector<float>& wt, do
   return {idx[last], (total - wt[last]) / total, wt[last] / total};
 }
 
+// The k largest values of x[begin, end) into `heap` (a min-heap: front() is the smallest of
+// them; fewer if the range is shorter): one comparison per token once it is full.
+void largest_k(const float* x, int64_t begin, int64_t end, int64_t k, std::vector<float>& heap) {
+  heap.clear();
+  heap.reserve(k);
+  constexpr int64_t CHUNK = 16;
+  for (int64_t lo = begin; lo < end; lo += CHUNK) {
+    const int64_t hi = std::min(end, lo + CHUNK);
+    if (static_cast<int64_t>(heap.size()) == k) {
+      // Once the heap is full most chunks cannot enter it: skip them on a vectorised max.
+      float chunk_max = NEG_INF;
+#pragma omp simd reduction(max : chunk_max)
+      for (int64_t j = lo; j < hi; ++j) chunk_max = x[j] > chunk_max ? x[j] : chunk_max;
+      if (!(chunk_max > heap.front())) continue;
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      if (static_cast<int64_t>(heap.size()) < k) {
+        heap.push_back(x[j]);
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      } else if (x[j] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = x[j];
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
+    }
+  }
+}
+
 RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
                      double u, bool sorted_order, Scratch& sc) {
   const float inv_t = 1.0f / temperature;
@@ -543,42 +573,26 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   std::vector<float>& wt = sc.wt;
 
   if (top_k > 0 && top_k < vocab) {
-    // Sparse path: the k largest logits by a size-k min-heap (one comparison per token
-    // once it is full), then every token equal to the k-th value (vLLM keeps ties).
-    std::vector<float> heap;
-    heap.reserve(top_k);
-    constexpr int64_t CHUNK = 16;
-    for (int64_t lo = 0; lo < vocab; lo += CHUNK) {
-      const int64_t hi = std::min(vocab, lo + CHUNK);
-      if (static_cast<int64_t>(heap.size()) == top_k) {
-        // Once the heap is full most chunks cannot enter it: skip them on a vectorised max.
-        float chunk_max = NEG_INF;
-#pragma omp simd reduction(max : chunk_max)
-        for (int64_t j = lo; j < hi; ++j) chunk_max = x[j] > chunk_max ? x[j] : chunk_max;
-        if (!(chunk_max > heap.front())) continue;
-      }
-      for (int64_t j = lo; j < hi; ++j) {
-        if (static_cast<int64_t>(heap.size()) < top_k) {
-          heap.push_back(x[j]);
-          std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-        } else if (x[j] > heap.front()) {
-          std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
-          heap.back() = x[j];
-          std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-        }
-      }
-    }
-    const float cut = std::max(heap.front(), min_p_cut);
-    idx.clear();
-    wt.clear();
-    for (int64_t j = 0; j < vocab; ++j)
-      if (x[j] >= cut && x[j] > NEG_INF) {
-        const float z = (x[j] - m) * inv_t;
-        if (z > -87.0f) {
-          idx.push_back(j);
-          wt.push_back(exp_nonpositive(z));
-        }
-      }
+    // Sparse path: the k largest logits by size-k min-heaps, one per range of blocks (a row
+    // alone is split over the threads), then every token at or above the k-th value (vLLM
+    // keeps ties), compacted in token-id order.
+    sc.heaps.resize(blocks);
+    sc.range_count.assign(blocks, -1);  // at a range's first block: 1
+    over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+      largest_k(x, b0 * BLOCK, std::min(vocab, b1 * BLOCK), top_k, sc.heaps[b0]);
+      sc.range_count[b0] = 1;
+    });
+    std::vector<float>& all = sc.heaps[0];  // the first range's heap, then every other's
+    for (int64_t b = 1; b < blocks; ++b)
+      if (sc.range_count[b] > 0) all.insert(all.end(), sc.heaps[b].begin(), sc.heaps[b].end());
+    // The k largest of the row are among the ranges' k largest: the k-th of those is the row's.
+    std::nth_element(all.begin(), all.begin() + (top_k - 1), all.end(), std::greater<float>());
+    const float cut = std::max(all[top_k - 1], min_p_cut);
+    const int64_t n = compact_row_split(x, vocab, std::nextafter(cut, NEG_INF), std::numeric_limits<float>::infinity(),
+                                        m, inv_t, min_p_cut, sc);
+    idx.resize(n);
+    wt.resize(n);
+    for (int64_t i = 0; i < n; ++i) idx[i] = sc.ci[i], wt[i] = sc.cw[i];
     double total = 0.0;
     for (float v : wt) total += v;
     apply_top_p(x, idx, wt, total, top_p);

@@ -101,10 +101,17 @@ def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperat
 @cpp
 @cpp
 @pytest.mark.parametrize(
-    ("case", "vocab", "top_p", "min_p"),
-    [("ties", 49152, 0.9, 0.02), ("flat", 49152, 0.5, 0.0), ("peaked", 151936, 0.95, 0.0), ("flat", 5000, 1.0, 0.0)],
+    ("case", "vocab", "top_k", "top_p", "min_p"),
+    [
+        ("ties", 49152, 0, 0.9, 0.02),
+        ("flat", 49152, 0, 0.5, 0.0),
+        ("peaked", 151936, 0, 0.95, 0.0),
+        ("flat", 5000, 0, 1.0, 0.0),
+        ("flat", 49152, 50, 1.0, 0.0),
+        ("ties", 49152, 40, 0.9, 0.0),
+    ],
 )
-def test_a_row_alone_split_over_threads_is_drawn_as_in_a_batch(case, vocab, top_p, min_p, cut_rows_factory):
+def test_a_row_alone_split_over_threads_is_drawn_as_in_a_batch(case, vocab, top_k, top_p, min_p, cut_rows_factory):
     """Fewer rows than threads: each row's passes are split over the threads; its token,
     interval start and width are bit-identical to one thread drawing it in a batch."""
     # torch._C's setter: an in-process vLLM CPU engine replaces torch.set_num_threads with a no-op.
@@ -116,7 +123,8 @@ def test_a_row_alone_split_over_threads_is_drawn_as_in_a_batch(case, vocab, top_
         batch = 8
         logits = cut_rows_factory(case, batch, vocab, gen)
         u = torch.rand(batch, dtype=torch.float64, generator=gen)
-        args = (torch.full((batch,), 0.8), None, torch.full((batch,), top_p), torch.full((batch,), min_p))
+        k = torch.full((batch,), top_k) if top_k else None
+        args = (torch.full((batch,), 0.8), k, torch.full((batch,), top_p), torch.full((batch,), min_p))
         together = fused_draw(logits, u, *args, "id")
         for row in range(batch):
             one = (None if a is None else a[row : row + 1] for a in args)
