@@ -216,6 +216,16 @@ const int32_t* pack_table() {
   }();
   return table.data();
 }
+
+// Stores the lanes of a and b that `mask` selects, packed first, at a_out and b_out (all eight
+// lanes are written: the caller leaves room past the end) and returns how many. Lanes are moved
+// as bits, so b may hold int32 ids.
+inline int pack_lanes(const int32_t* pack, int mask, __m256 a, __m256 b, float* a_out, float* b_out) {
+  const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack + mask * 8));
+  _mm256_storeu_ps(a_out, _mm256_permutevar8x32_ps(a, perm));
+  _mm256_storeu_ps(b_out, _mm256_permutevar8x32_ps(b, perm));
+  return __builtin_popcount(mask);
+}
 #endif
 
 // Writes the candidates among x[0, n) (weight > 0, lo < x <= hi) to the front of ox, their
@@ -239,11 +249,8 @@ __attribute__((noinline)) int64_t compact_row(const float* x, int64_t n, float l
     const __m256 z = _mm256_mul_ps(_mm256_sub_ps(xv, vm), vinv);  // as weight_of
     const __m256 weighs = _mm256_and_ps(_mm256_cmp_ps(xv, vcut, _CMP_GE_OQ), _mm256_cmp_ps(z, vfloor, _CMP_GT_OQ));
     const int mask = _mm256_movemask_ps(_mm256_and_ps(weighs, within(xv)));  // no branch on it: unpredictable
-    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack + mask * 8));
-    _mm256_storeu_ps(ox + k, _mm256_permutevar8x32_ps(xv, perm));
     const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_id + at)), lanes);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(oi + k), _mm256_permutevar8x32_epi32(ids, perm));
-    k += __builtin_popcount(mask);
+    k += pack_lanes(pack, mask, xv, _mm256_castsi256_ps(ids), ox + k, reinterpret_cast<float*>(oi + k));
   };
   // A group of 32 with no token in (lo, hi] is skipped on one test: in a narrow bracket most are.
   for (; j + 32 <= n; j += 32) {
@@ -277,11 +284,7 @@ int64_t compact_candidates(const float* px, const float* pw, int64_t n, float lo
     const __m256 xv = _mm256_loadu_ps(px + j), wv = _mm256_loadu_ps(pw + j);
     const __m256 c = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(wv, zero, _CMP_GT_OQ), _mm256_cmp_ps(xv, vlo, _CMP_GT_OQ)),
                                    _mm256_cmp_ps(xv, vhi, _CMP_LE_OQ));
-    const int mask = _mm256_movemask_ps(c);
-    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack + mask * 8));
-    _mm256_storeu_ps(ox + k, _mm256_permutevar8x32_ps(xv, perm));
-    _mm256_storeu_ps(ow + k, _mm256_permutevar8x32_ps(wv, perm));
-    k += __builtin_popcount(mask);
+    k += pack_lanes(pack, _mm256_movemask_ps(c), xv, wv, ox + k, ow + k);
   }
 #endif
   for (; j < n; ++j) {
