@@ -11,8 +11,8 @@ alternating between them:
   temperature division.
 
 It prints medians (ms), ratios against vLLM (< 1: faster than vLLM), and the
-memory-bandwidth floor: the time to read the logits once at the measured copy
-bandwidth.
+memory-bandwidth floor: the time to read the logits once at the copy bandwidth
+measured just before the row (a shared machine's speed drifts over a run).
 
     python benchmarks/sampler_bench.py [--threads N] [--repeats 7] [--quick]
 """
@@ -37,11 +37,10 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(64 * 1024 * 1024 // 4, dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
+def copy_bandwidth_gbs(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """Main-memory copy bandwidth (read + write), GB/s: src and dst exceed the caches."""
     ms = median_ms(lambda: dst.copy_(src), 9)
-    return 2 * src.numel() * 4 / (ms / 1e3) / 1e9  # read + write
+    return 2 * src.numel() * 4 / (ms / 1e3) / 1e9
 
 
 def bench_case(batch: int, vocab: int, k: int, top_p: float, repeats: int, vllm_sampler) -> tuple[float, ...]:
@@ -96,15 +95,16 @@ def main() -> None:
     from qmc_sampler.kernels import backend_for
 
     vllm_sampler = TopKTopPSampler()
-    bandwidth = copy_bandwidth_gbs()
+    copy_src = torch.empty(64 * 1024 * 1024 // 4, dtype=torch.float32).uniform_()
+    copy_dst = torch.empty_like(copy_src)
     print(describe_cpu(), flush=True)
     print(
         f"threads: {torch.get_num_threads()}, fused backend: {backend_for(torch.device('cpu'))}, "
-        f"copy bandwidth: {bandwidth:.1f} GB/s, vLLM sampler: {vllm_sampler.forward.__name__}"
+        f"vLLM sampler: {vllm_sampler.forward.__name__}"
     )
     header = (
         f"{'batch':>5} {'vocab':>7} {'filter':>12} | {'fused':>8} {'torch':>9} {'vllm':>8} | "
-        f"{'fused/vllm':>10} {'torch/vllm':>10} | {'floor':>7} {'fused/floor':>11}"
+        f"{'fused/vllm':>10} {'torch/vllm':>10} | {'GB/s':>5} {'floor':>7} {'fused/floor':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -119,14 +119,17 @@ def main() -> None:
             ):
                 # A single row takes tens of microseconds: more repeats for a stable median.
                 repeats = args.repeats * 8 if batch == 1 else max(3, args.repeats // (2 if batch == 256 else 1))
+                bandwidth = copy_bandwidth_gbs(copy_src, copy_dst)
                 t_fused, t_torch, t_vllm = bench_case(batch, vocab, k, top_p, repeats, vllm_sampler)
                 floor = batch * vocab * 4 / (bandwidth / 2 * 1e9) * 1e3
                 print(
                     f"{batch:>5} {vocab:>7} {label:>12} | {t_fused:>8.3f} {t_torch:>9.2f} {t_vllm:>8.2f} | "
-                    f"{t_fused / t_vllm:>10.2f} {t_torch / t_vllm:>10.2f} | {floor:>7.3f} {t_fused / floor:>11.1f}"
+                    f"{t_fused / t_vllm:>10.2f} {t_torch / t_vllm:>10.2f} | {bandwidth:>5.1f} {floor:>7.3f} "
+                    f"{t_fused / floor:>11.1f}"
                 )
     print(
-        "\nms medians; ratios < 1 are faster than vLLM's own sampling op; floor = logits read once at copy bandwidth."
+        "\nms medians; ratios < 1 are faster than vLLM's own sampling op; floor = logits read once at the copy "
+        "bandwidth (GB/s, read + write) measured just before the row."
     )
 
 
