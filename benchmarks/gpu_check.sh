@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-command GPU check (`make gpu-check`): on a CUDA machine, build what is needed and run
 # every CUDA-only test (Model Runner V2 vs the reference loop, sync and async scheduling; TRL
-# GRPO on the GPU; the Triton kernel against the torch path), the sampler benchmark, and the
+# GRPO on the GPU; the Triton kernel against the torch path), the sampler benchmark on the GPU
+# (the Triton kernel vs the torch path vs vLLM's CUDA sampling op, logits on the device), and the
 # end-to-end throughput with the plugin on vs off under the V1 runner and under MRV2; then print
 # one summary table. Each step has a time limit so the whole check stays under 8 minutes.
 # Without a CUDA device it prints one line and exits 0 (CI has none).
@@ -31,7 +32,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, record status, seco
 }
 step cuda-tests 300 "$PY" -m pytest -q -n 0 -m cuda tests/core/test_triton_kernel.py tests/core/test_processing.py \
   tests/core/test_sample_group.py tests/vllm_plugin/test_mrv2_cuda.py tests/integrations/test_grpo_gpu.py
-step sampler-bench 60 "$PY" benchmarks/sampler_bench.py --quick --repeats 3
+step sampler-bench 60 "$PY" benchmarks/sampler_bench.py --device cuda --quick --repeats 3
 step e2e-v1 60 env VLLM_USE_V2_MODEL_RUNNER=0 "$PY" benchmarks/e2e_overhead.py --rounds 2
 step e2e-mrv2-async 60 env VLLM_USE_V2_MODEL_RUNNER=1 "$PY" benchmarks/e2e_overhead.py --rounds 2
 echo

@@ -14,7 +14,10 @@ It prints medians (ms), ratios against vLLM (< 1: faster than vLLM), and the
 memory-bandwidth floor: the time to read the logits once at the copy bandwidth
 measured just before the row (a shared machine's speed drifts over a run).
 
-    python benchmarks/sampler_bench.py [--threads N] [--repeats 7] [--quick]
+    python benchmarks/sampler_bench.py [--threads N] [--repeats 7] [--quick] [--device cpu|cuda]
+
+With ``--device cuda`` the logits live on the GPU: ``fused`` is the Triton kernel and
+``vllm`` vLLM's CUDA sampling op; each call is timed to the end of its kernels.
 """
 
 from __future__ import annotations
@@ -26,34 +29,42 @@ import time
 
 import torch
 
+CPU = torch.device("cpu")
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (allocations, first-touch)
+
+def median_ms(fn, repeats: int, device: torch.device = CPU) -> float:
+    """Median wall time of fn() in ms; on a GPU, each call timed to the end of its kernels."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up (allocations, first-touch, kernel compilation)
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
 def copy_bandwidth_gbs(src: torch.Tensor, dst: torch.Tensor) -> float:
     """Main-memory copy bandwidth (read + write), GB/s: src and dst exceed the caches."""
-    ms = median_ms(lambda: dst.copy_(src), 9)
+    ms = median_ms(lambda: dst.copy_(src), 9, src.device)
     return 2 * src.numel() * 4 / (ms / 1e3) / 1e9
 
 
-def bench_case(batch: int, vocab: int, k: int, top_p: float, repeats: int, vllm_sampler) -> tuple[float, ...]:
-    """Median ms of (fused, torch, vLLM) on one batch of random logits."""
+def bench_case(
+    batch: int, vocab: int, k: int, top_p: float, repeats: int, vllm_sampler, device: torch.device = CPU
+) -> tuple[float, ...]:
+    """Median ms of (fused, torch, vLLM) on one batch of random logits on ``device``."""
     from qmc_sampler import inverse_cdf, process_logits
     from qmc_sampler.kernels import fused_draw
 
     gen = torch.Generator().manual_seed(batch)
-    logits = torch.randn(batch, vocab, generator=gen) * 3
-    temperature = torch.full((batch,), 0.8)
-    u = torch.rand(batch, dtype=torch.float64, generator=gen)
-    kk = torch.full((batch,), k) if k else None
-    pp = torch.full((batch,), top_p) if top_p < 1 else None
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
+    temperature = torch.full((batch,), 0.8, device=device)
+    u = torch.rand(batch, dtype=torch.float64, generator=gen).to(device)
+    kk = torch.full((batch,), k, device=device) if k else None
+    pp = torch.full((batch,), top_p, device=device) if top_p < 1 else None
     scratch = logits.clone()
 
     def fused() -> None:
@@ -68,10 +79,10 @@ def bench_case(batch: int, vocab: int, k: int, top_p: float, repeats: int, vllm_
         scratch.copy_(logits)
         vllm_sampler(scratch.div_(temperature.unsqueeze(1)), {}, kk, pp)
 
-    copy_ms = median_ms(lambda: scratch.copy_(logits), repeats)
-    t_fused = median_ms(fused, repeats)
-    t_torch = median_ms(reference, max(3, repeats // 2))
-    t_vllm = max(median_ms(vllm, repeats) - copy_ms, 1e-6)  # vLLM gets its logits in place
+    copy_ms = median_ms(lambda: scratch.copy_(logits), repeats, device)
+    t_fused = median_ms(fused, repeats, device)
+    t_torch = median_ms(reference, max(3, repeats // 2), device)
+    t_vllm = max(median_ms(vllm, repeats, device) - copy_ms, 1e-6)  # vLLM gets its logits in place
     return t_fused, t_torch, t_vllm
 
 
@@ -80,7 +91,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="batch 32 only")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the logits live (default: cpu)")
     args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -95,11 +110,14 @@ def main() -> None:
     from qmc_sampler.kernels import backend_for
 
     vllm_sampler = TopKTopPSampler()
-    copy_src = torch.empty(64 * 1024 * 1024 // 4, dtype=torch.float32).uniform_()
+    # Larger than the caches: 64 MiB on a CPU, 1 GiB on a GPU (an H100's or H200's L2 is 50-60 MB).
+    copy_src = torch.empty((1024 if device.type == "cuda" else 64) * 2**20 // 4, device=device).uniform_()
     copy_dst = torch.empty_like(copy_src)
     print(describe_cpu(), flush=True)
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(device)}")
     print(
-        f"threads: {torch.get_num_threads()}, fused backend: {backend_for(torch.device('cpu'))}, "
+        f"threads: {torch.get_num_threads()}, logits on: {device.type}, fused backend: {backend_for(device)}, "
         f"vLLM sampler: {vllm_sampler.forward.__name__}"
     )
     header = (
@@ -120,7 +138,7 @@ def main() -> None:
                 # A single row takes tens of microseconds: more repeats for a stable median.
                 repeats = args.repeats * 8 if batch == 1 else max(3, args.repeats // (2 if batch == 256 else 1))
                 bandwidth = copy_bandwidth_gbs(copy_src, copy_dst)
-                t_fused, t_torch, t_vllm = bench_case(batch, vocab, k, top_p, repeats, vllm_sampler)
+                t_fused, t_torch, t_vllm = bench_case(batch, vocab, k, top_p, repeats, vllm_sampler, device)
                 floor = batch * vocab * 4 / (bandwidth / 2 * 1e9) * 1e3
                 print(
                     f"{batch:>5} {vocab:>7} {label:>12} | {t_fused:>8.3f} {t_torch:>9.2f} {t_vllm:>8.2f} | "

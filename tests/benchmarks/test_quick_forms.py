@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 
@@ -23,6 +24,15 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith("32 ")]
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
     assert "CPU: " in done.stdout  # every timing names its CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_sampler_benchmark_on_cuda_refuses_a_machine_without_one():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "sampler_bench.py"), "--device", "cuda"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--device cuda: this machine has no CUDA device" in done.stderr, done.stderr
 
 
 def quick(script: str, model_dir: str, env: dict[str, str]) -> subprocess.CompletedProcess:
