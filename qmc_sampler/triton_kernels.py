@@ -237,9 +237,11 @@ def triton_inverse_cdf(
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     starts = torch.empty(batch, dtype=torch.float64, device=device)
     probs = torch.empty(batch, dtype=torch.float64, device=device)
-    mp = min_p if min_p is not None else torch.zeros(batch)
-    k = top_k if top_k is not None else torch.zeros(batch, dtype=torch.int32)
-    p = top_p if top_p is not None else torch.ones(batch)
+    # A disabled filter's parameters are made on the device: a host tensor's upload would wait
+    # for the device (PyTorch synchronises after a copy from pageable memory) in every step.
+    mp = min_p if min_p is not None else torch.zeros(batch, device=device)
+    k = top_k if top_k is not None else torch.zeros(batch, dtype=torch.int32, device=device)
+    p = top_p if top_p is not None else torch.ones(batch, device=device)
     _KERNEL[(batch,)](
         x,
         x.stride(0),

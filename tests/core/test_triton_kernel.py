@@ -53,3 +53,41 @@ def test_cuda_kernel_agrees_with_the_torch_reference():
             ref.starts[got.tokens.cpu() == ref.tokens],
             atol=EDGE_TOLERANCE,
         )
+
+
+def test_a_launch_uploads_nothing_from_the_host(monkeypatch):
+    """Copying a host tensor to a GPU waits for the device (PyTorch synchronises after a copy
+    from pageable memory): with every operand on the device, disabled filters included, the
+    launch makes no such copy. The 'meta' device stands in for the GPU; the launch is recorded."""
+    from qmc_sampler import triton_kernels
+
+    launched = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(args)
+
+    uploads = []
+    original_to = torch.Tensor.to
+
+    def recording_to(tensor, *args, **kwargs):
+        moved = original_to(tensor, *args, **kwargs)
+        if tensor.device.type == "cpu" and moved.device.type != "cpu":
+            uploads.append(tuple(tensor.shape))
+        return moved
+
+    monkeypatch.setattr(triton_kernels, "_KERNEL", Launcher())
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    meta = torch.device("meta")
+    batch = 4
+    on_device = {"device": meta}
+    triton_kernels.triton_inverse_cdf(
+        torch.empty(batch, 1000, **on_device),
+        torch.empty(batch, dtype=torch.float64, **on_device),
+        torch.empty(batch, **on_device),
+        None,
+        None,
+        None,
+    )
+    assert len(launched) == 1 and uploads == [], uploads
+    assert all(a.device == meta for a in launched[0] if isinstance(a, torch.Tensor))
