@@ -70,12 +70,13 @@ class Capture:
     Attributes:
         rows: ``[r] int64`` row indices into the step's logits.
         logits: ``[r, vocab] float32`` copies of those rows before the mask.
-        sampling: per row, ``(temperature, top_k, top_p, min_p)`` (MRV2 applies them itself).
+        sampling: ``(temperature, top_k, top_p, min_p)``, ``[r]`` each on the logits' device, as
+            the requests set them (MRV2 applies them itself).
     """
 
     rows: torch.Tensor
     logits: torch.Tensor
-    sampling: list[tuple[float, int, float, float]]
+    sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def installed() -> bool:
@@ -195,7 +196,7 @@ def _wrap_v2(original: Any) -> Any:
             from qmc_sampler.processing import process_logits
 
             for c in captures:
-                t, k, p, m = (torch.tensor(v) for v in zip(*c.sampling, strict=True))
+                t, k, p, m = c.sampling
                 # MRV2's sample() returns processed *logits* in both modes; compute_topk_scores
                 # takes the log-softmax afterwards for processed_logprobs.
                 _store(processed, c.rows.to(processed.device), process_logits(c.logits, t, k, p, m), "processed_logits")

@@ -144,7 +144,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         batch = self._batch_tensors(row_ids, members, logits, temperature_applied)
         rows = logits if batch.whole else logits.index_select(0, batch.index)
         if self._capture_rows:
-            self._capture = Capture(batch.index, rows.clone(), batch.sampling)
+            self._capture = Capture(batch.index, rows.clone(), batch.requested)
         try:
             draw = self.registry.draw(rows, members, *batch.params, slots=batch.slots)
         except Exception as e:  # never take the engine (every user's requests) down with one batch
@@ -170,7 +170,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         key = (tuple(row_ids), tuple(m.slot for m in members), tuple(map(id, members)), rows, device,
                temperature_applied)  # fmt: skip
         if self._batch is None or self._batch.key != key:
-            self._batch = _Batch.build(key, row_ids, members, rows, device, temperature_applied)
+            self._batch = _Batch.build(key, row_ids, members, rows, device, temperature_applied, self._capture_rows)
         return self._batch
 
     # ---- V1 runner ----------------------------------------------------------
@@ -200,7 +200,7 @@ class _Batch:
     slots: torch.Tensor  # [rows] their pool rows
     whole: bool  # the rows are the whole batch, in order
     params: tuple  # temperature, top_k, top_p, min_p: [rows] each, or None (off for every row)
-    sampling: list[tuple[float, int, float, float]]
+    requested: tuple  # temperature, top_k, top_p, min_p as each request set them: [rows] each (if captured)
 
     @classmethod
     def build(
@@ -211,6 +211,7 @@ class _Batch:
         rows: int,
         device: torch.device,
         temperature_applied: bool,
+        capture: bool,
     ) -> _Batch:
         def put(values: list, dtype: type[np.generic]) -> torch.Tensor:
             # Pinned and asynchronous: Model Runner V2 reorders the rows at any step.
@@ -226,8 +227,12 @@ class _Batch:
         if not temperature_applied and any(mp > 0 for *_, mp in sampling):
             min_p = put([mp for *_, mp in sampling], np.float32)
         whole = row_ids == list(range(rows))  # every row, in order: no copy
+        requested = ()
+        if capture:  # processed logprobs: on the device now, not uploaded (waiting for it) in every step
+            requested = (put([t for t, *_ in sampling], np.float32), put([k for _, k, _, _ in sampling], np.int64),
+                         put([p for _, _, p, _ in sampling], np.float32), put([mp for *_, mp in sampling], np.float32))
         return cls(key, put(row_ids, np.int64), put([m.slot for m in members], np.int64), whole,
-                   (temperature, top_k, top_p, min_p), sampling)  # fmt: skip
+                   (temperature, top_k, top_p, min_p), requested)  # fmt: skip
 
 
 def plugin_stats(worker: Any) -> dict[str, Any]:
