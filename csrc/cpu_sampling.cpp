@@ -6,8 +6,9 @@
 //   2. thresholds in logit space: min-p keeps x >= m + T*log(min_p) (p_j/p_max >= min_p),
 //      top-k keeps x >= the k-th largest (ties kept), exactly vLLM's rules
 //      (vllm/v1/sample/logits_processor/builtin.py, ops/topk_topp_sampler.py). With
-//      top-k the k largest come from size-k heaps (one per range of blocks) and only the
-//      tokens at or above the k-th, compacted, are exponentiated;
+//      top-k the k-th largest comes from size-k heaps (one per range of blocks) or, for
+//      k > HEAP_K, by selection in a bracket of counted pivots, and only the tokens at or
+//      above it, compacted, are exponentiated;
 //   3. weights w_j = exp((x_j - m)/T) for kept tokens (float, vectorised polynomial exp),
 //      summed per block of BLOCK tokens; with top-p also the mass above eight pivots. The
 //      weights are not stored: a pass that needs them recomputes them from the row, so the
@@ -80,7 +81,7 @@ struct Scratch {
   std::vector<double> block_sum, block_base;
   std::vector<int64_t> idx, range_count;
   std::vector<std::vector<float>> heaps;  // top-k: one per range of blocks
-  std::vector<int32_t> ci, block_nans;
+  std::vector<int32_t> ci, block_nans, pivot_count;
 };
 
 // A token's weight exp((x - m)/T); 0 below the min-p cut, for -inf, and where float32
@@ -140,6 +141,22 @@ __attribute__((noinline)) void block_pivot_sums(const float* __restrict x, const
     a3 += xj > t3 ? wj : 0.0f;
   }
   mass[0] = a0, mass[1] = a1, mass[2] = a2, mass[3] = a3;
+}
+
+// The count of tokens above each of four pivots t[0] > ... > t[3].
+__attribute__((noinline)) void block_pivot_counts(const float* __restrict x, int64_t len, const float* __restrict t,
+                                                  int32_t* __restrict count) {
+  const float t0 = t[0], t1 = t[1], t2 = t[2], t3 = t[3];
+  int32_t c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+#pragma omp simd reduction(+ : c0, c1, c2, c3)
+  for (int64_t j = 0; j < len; ++j) {
+    const float xj = x[j];
+    c0 += xj > t0;
+    c1 += xj > t1;
+    c2 += xj > t2;
+    c3 += xj > t3;
+  }
+  count[0] = c0, count[1] = c1, count[2] = c2, count[3] = c3;
 }
 
 // fn(first_block, end_block) over [0, blocks): split across torch's threads when called outside
@@ -551,6 +568,41 @@ void largest_k(const float* x, int64_t begin, int64_t end, int64_t k, std::vecto
   }
 }
 
+// Top-k above HEAP_K: the k-th largest value by selection instead of heaps (a heap's cost grows
+// with k·log k): tokens counted above the pivots bracket it, the bracket's tokens are compacted,
+// and nth_element picks it among them. -inf when fewer than k tokens are finite.
+constexpr int64_t HEAP_K = 128;
+
+float kth_largest(const float* x, int64_t vocab, int64_t k, float m, const float* theta, Scratch& sc) {
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  sc.pivot_count.resize(blocks * PIVOTS);
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * BLOCK, len = std::min(vocab, lo + BLOCK) - lo;
+      for (int i = 0; i < PIVOTS; i += 4) block_pivot_counts(x + lo, len, theta + i, sc.pivot_count.data() + b * PIVOTS + i);
+    }
+  });
+  // The k-th largest v: count(x > t) >= k means v > t; count(x > t) < k means v <= t.
+  float lo = NEG_INF, hi = std::numeric_limits<float>::infinity();
+  int64_t above_hi = 0;
+  for (int i = 0; i < PIVOTS; ++i) {  // theta decreasing, counts increasing
+    int64_t count = 0;
+    for (int64_t b = 0; b < blocks; ++b) count += sc.pivot_count[b * PIVOTS + i];
+    if (count >= k) {
+      lo = theta[i];
+      break;
+    }
+    hi = theta[i];
+    above_hi = count;
+  }
+  // The bracket's finite tokens (no weight condition: inv_t 0 and no min-p cut keep them all).
+  const int64_t n = compact_row_split(x, vocab, lo, hi, m, 0.0f, -std::numeric_limits<float>::max(), sc);
+  const int64_t rank = k - above_hi;  // v is the rank-th largest in the bracket
+  if (rank > n) return NEG_INF;       // only with lo = -inf: fewer than k finite tokens
+  std::nth_element(sc.cx.begin(), sc.cx.begin() + (rank - 1), sc.cx.begin() + n, std::greater<float>());
+  return sc.cx[rank - 1];
+}
+
 RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
                      double u, bool sorted_order, Scratch& sc) {
   const float inv_t = 1.0f / temperature;
@@ -575,22 +627,30 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   std::vector<int64_t>& idx = sc.idx;
   std::vector<float>& wt = sc.wt;
 
+  float theta[PIVOTS];  // top-p's pivots (and top-k's above HEAP_K)
+  for (int i = 0; i < PIVOTS; ++i) theta[i] = m + temperature * PIVOT_Z[i];
   if (top_k > 0 && top_k < vocab) {
-    // Sparse path: the k largest logits by size-k min-heaps, one per range of blocks (a row
-    // alone is split over the threads), then every token at or above the k-th value (vLLM
+    // Sparse path: the k-th largest logit (for small k from size-k min-heaps, one per range of
+    // blocks: a row alone is split over the threads), then every token at or above it (vLLM
     // keeps ties), compacted in token-id order.
-    sc.heaps.resize(blocks);
-    sc.range_count.assign(blocks, -1);  // at a range's first block: 1
-    over_blocks(blocks, [&](int64_t b0, int64_t b1) {
-      largest_k(x, b0 * BLOCK, std::min(vocab, b1 * BLOCK), top_k, sc.heaps[b0]);
-      sc.range_count[b0] = 1;
-    });
-    std::vector<float>& all = sc.heaps[0];  // the first range's heap, then every other's
-    for (int64_t b = 1; b < blocks; ++b)
-      if (sc.range_count[b] > 0) all.insert(all.end(), sc.heaps[b].begin(), sc.heaps[b].end());
-    // The k largest of the row are among the ranges' k largest: the k-th of those is the row's.
-    std::nth_element(all.begin(), all.begin() + (top_k - 1), all.end(), std::greater<float>());
-    const float cut = std::max(all[top_k - 1], min_p_cut);
+    float kth = NEG_INF;
+    if (top_k > HEAP_K) {
+      kth = kth_largest(x, vocab, top_k, m, theta, sc);
+    } else {
+      sc.heaps.resize(blocks);
+      sc.range_count.assign(blocks, -1);  // at a range's first block: 1
+      over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+        largest_k(x, b0 * BLOCK, std::min(vocab, b1 * BLOCK), top_k, sc.heaps[b0]);
+        sc.range_count[b0] = 1;
+      });
+      std::vector<float>& all = sc.heaps[0];  // the first range's heap, then every other's
+      for (int64_t b = 1; b < blocks; ++b)
+        if (sc.range_count[b] > 0) all.insert(all.end(), sc.heaps[b].begin(), sc.heaps[b].end());
+      // The k largest of the row are among the ranges' k largest: the k-th of those is the row's.
+      std::nth_element(all.begin(), all.begin() + (top_k - 1), all.end(), std::greater<float>());
+      kth = all[top_k - 1];
+    }
+    const float cut = std::max(kth, min_p_cut);
     const int64_t n = compact_row_split(x, vocab, std::nextafter(cut, NEG_INF), std::numeric_limits<float>::infinity(),
                                         m, inv_t, min_p_cut, sc);
     idx.resize(n);
@@ -607,8 +667,6 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   // mass and count above each pivot, per block.
   const bool pivots = top_p < 1.0f;
   Keep keep{m, inv_t, min_p_cut};  // every token of positive weight, unless top-p cuts
-  float theta[PIVOTS];
-  for (int i = 0; i < PIVOTS; ++i) theta[i] = m + temperature * PIVOT_Z[i];
   std::vector<double>& block_sum = sc.block_sum;
   block_sum.assign(blocks, 0.0);
   if (pivots) sc.pivot_mass.assign(blocks * PIVOTS, 0.0f);

@@ -21,6 +21,8 @@ CONFIGS = [
     (1.0, 0, 1.0, 0.05),
     (0.8, 20, 0.8, 0.02),
     (1.5, 1, 1.0, 0.0),
+    (0.8, 300, 0.95, 0.0),  # top-k above the kernel's heap size: by selection
+    (1.0, 600, 1.0, 0.02),
 ]
 cpp = pytest.mark.skipif(backend_for(torch.device("cpu")) != "cpp", reason="fused CPU kernel not built")
 
@@ -109,6 +111,8 @@ def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperat
         ("flat", 5000, 0, 1.0, 0.0),
         ("flat", 49152, 50, 1.0, 0.0),
         ("ties", 49152, 40, 0.9, 0.0),
+        ("flat", 49152, 1000, 1.0, 0.0),
+        ("ties", 49152, 20000, 0.9, 0.0),
     ],
 )
 def test_a_row_alone_split_over_threads_is_drawn_as_in_a_batch(case, vocab, top_k, top_p, min_p, cut_rows_factory):
@@ -143,6 +147,22 @@ def test_uniforms_at_the_extremes_pick_the_first_and_last_admissible_tokens():
     last = fused_draw(logits, torch.tensor([1 - 2.0**-53], dtype=torch.float64), ones, None, None, None, "id")
     assert first.tokens.item() == 1 and last.tokens.item() == 4
     assert abs(last.starts.item() + last.probs.item() - 1.0) < 1e-9
+
+
+@cpp
+@pytest.mark.parametrize("top_k", [50, 300])  # from heaps, and by selection
+def test_top_k_with_exactly_k_tokens_above_a_pivot(top_k):
+    """k tokens at 10 and the rest at 0, T = 1: exactly k lie above every pivot of the kernel's
+    selection bracket (1 to 12 T below the top), and the k kept are those k."""
+    batch, vocab = 4, 4096
+    logits = torch.zeros(batch, vocab)
+    gen = torch.Generator().manual_seed(top_k)
+    for row in range(batch):
+        logits[row, torch.randperm(vocab, generator=gen)[:top_k]] = 10.0
+    u = torch.rand(batch, dtype=torch.float64, generator=gen)
+    args = (torch.ones(batch), torch.full((batch,), top_k), torch.ones(batch), torch.zeros(batch))
+    assert_agrees_with_reference(logits, u, args, "id", min_same=1.0)
+    assert torch.equal(fused_draw(logits, u, *args, "id").probs, torch.full((batch,), 1.0 / top_k, dtype=torch.float64))
 
 
 @cpp
