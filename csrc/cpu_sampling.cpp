@@ -568,12 +568,30 @@ void largest_k(const float* x, int64_t begin, int64_t end, int64_t k, std::vecto
   }
 }
 
+// Top-k up to HEAP_K: the k-th largest value from size-k min-heaps, one per range of blocks (a
+// row alone is split over the threads).
+constexpr int64_t HEAP_K = 128;
+
+float kth_largest_by_heaps(const float* x, int64_t vocab, int64_t k, Scratch& sc) {
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  sc.heaps.resize(blocks);
+  sc.range_count.assign(blocks, -1);  // at a range's first block: 1
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    largest_k(x, b0 * BLOCK, std::min(vocab, b1 * BLOCK), k, sc.heaps[b0]);
+    sc.range_count[b0] = 1;
+  });
+  std::vector<float>& all = sc.heaps[0];  // the first range's heap, then every other's
+  for (int64_t b = 1; b < blocks; ++b)
+    if (sc.range_count[b] > 0) all.insert(all.end(), sc.heaps[b].begin(), sc.heaps[b].end());
+  // The k largest of the row are among the ranges' k largest: the k-th of those is the row's.
+  std::nth_element(all.begin(), all.begin() + (k - 1), all.end(), std::greater<float>());
+  return all[k - 1];
+}
+
 // Top-k above HEAP_K: the k-th largest value by selection instead of heaps (a heap's cost grows
 // with k·log k): tokens counted above the pivots bracket it, the bracket's tokens are compacted,
 // and nth_element picks it among them. -inf when fewer than k tokens are finite.
-constexpr int64_t HEAP_K = 128;
-
-float kth_largest(const float* x, int64_t vocab, int64_t k, float m, const float* theta, Scratch& sc) {
+float kth_largest_by_selection(const float* x, int64_t vocab, int64_t k, float m, const float* theta, Scratch& sc) {
   const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
   sc.pivot_count.resize(blocks * PIVOTS);
   over_blocks(blocks, [&](int64_t b0, int64_t b1) {
@@ -630,26 +648,10 @@ RowResult sample_row(const float* x, int64_t vocab, float temperature, int64_t t
   float theta[PIVOTS];  // top-p's pivots (and top-k's above HEAP_K)
   for (int i = 0; i < PIVOTS; ++i) theta[i] = m + temperature * PIVOT_Z[i];
   if (top_k > 0 && top_k < vocab) {
-    // Sparse path: the k-th largest logit (for small k from size-k min-heaps, one per range of
-    // blocks: a row alone is split over the threads), then every token at or above it (vLLM
-    // keeps ties), compacted in token-id order.
-    float kth = NEG_INF;
-    if (top_k > HEAP_K) {
-      kth = kth_largest(x, vocab, top_k, m, theta, sc);
-    } else {
-      sc.heaps.resize(blocks);
-      sc.range_count.assign(blocks, -1);  // at a range's first block: 1
-      over_blocks(blocks, [&](int64_t b0, int64_t b1) {
-        largest_k(x, b0 * BLOCK, std::min(vocab, b1 * BLOCK), top_k, sc.heaps[b0]);
-        sc.range_count[b0] = 1;
-      });
-      std::vector<float>& all = sc.heaps[0];  // the first range's heap, then every other's
-      for (int64_t b = 1; b < blocks; ++b)
-        if (sc.range_count[b] > 0) all.insert(all.end(), sc.heaps[b].begin(), sc.heaps[b].end());
-      // The k largest of the row are among the ranges' k largest: the k-th of those is the row's.
-      std::nth_element(all.begin(), all.begin() + (top_k - 1), all.end(), std::greater<float>());
-      kth = all[top_k - 1];
-    }
+    // Sparse path: the k-th largest logit, then every token at or above it (vLLM keeps ties),
+    // compacted in token-id order.
+    const float kth = top_k > HEAP_K ? kth_largest_by_selection(x, vocab, top_k, m, theta, sc)
+                                     : kth_largest_by_heaps(x, vocab, top_k, sc);
     const float cut = std::max(kth, min_p_cut);
     const int64_t n = compact_row_split(x, vocab, std::nextafter(cut, NEG_INF), std::numeric_limits<float>::infinity(),
                                         m, inv_t, min_p_cut, sc);

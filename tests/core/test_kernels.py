@@ -101,7 +101,6 @@ def test_cpp_top_p_without_sorting_keeps_exactly_vllms_set(case, vocab, temperat
 
 
 @cpp
-@cpp
 @pytest.mark.parametrize(
     ("case", "vocab", "top_k", "top_p", "min_p"),
     [
