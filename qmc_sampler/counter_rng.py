@@ -44,12 +44,14 @@ class Purpose(enum.IntEnum):
 
     FRESH = 1  # i.i.d. per-(member, step) uniforms: `iid`, and carry designs once alone
     SHIFT = 2  # the group's random shift Δ (lattice, arithmetic)
-    PERMUTATION = 3  # stratified: ranks of these hashes give the random permutation π
+    PERMUTATION = 3  # stratified: round keys of the Feistel bijection behind the permutation π
     JITTER = 4  # stratified: the per-member offset V_i inside its stratum
     SOBOL_MATRIX = 5  # sobol: rows of the random lower-triangular scrambling matrix
     SOBOL_SHIFT = 6  # sobol: the random digital shift
     SOBOL_JITTER = 7  # sobol: the bits below the net's resolution
     GROUP_SEED = 8  # the vLLM plugin: seeds of groups that came without one (engine seed, rank, counter)
+    STRATUM_SHIFT = 9  # stratified: the shift s of the permutation π(i) = (σ(i) + s) mod n
+    PROMPT_SEED = 10  # the seed of prompt i > 0 of a multi-prompt request, from the request's seed
 
 
 def seed_to_u64(seed: int) -> int:

@@ -16,7 +16,6 @@ which is what makes every member an exact draw from the model
 
 from __future__ import annotations
 
-import functools
 from abc import ABC
 from typing import ClassVar
 
@@ -24,9 +23,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from qmc_sampler.counter_rng import Purpose, counter_hash, counter_uniform
+from qmc_sampler.limits import MAX_GROUP_SIZE
 from qmc_sampler.sobol import scrambled_sobol_uniforms
 
-__all__ = ["DESIGNS", "METHODS", "GroupDesign", "get_design", "radical_inverse"]
+__all__ = ["DESIGNS", "MAX_GROUP_SIZE", "METHODS", "GroupDesign", "get_design", "radical_inverse", "stratum_of_member"]
 
 U64 = NDArray[np.uint64]
 I64 = NDArray[np.int64]
@@ -135,14 +135,61 @@ class ArithmeticDesign(GroupDesign):
         return 1.0 / (np.asarray(ns, dtype=np.float64) + 1.0)
 
 
-@functools.lru_cache(maxsize=4096)
-def _stratum_of_member(seed: int, n: int) -> I64:
-    # π(i) = rank of member i's hash among the group's n hashes: a uniformly random
-    # permutation (ties have probability ~n²·2^-64).
-    keys = counter_hash(np.uint64(seed), Purpose.PERMUTATION, np.arange(n), 0)
-    ranks = np.empty(n, dtype=np.int64)
-    ranks[np.argsort(keys, kind="stable")] = np.arange(n)
-    return ranks
+#: Feistel rounds of the stratum permutation: four make a keyed bijection indistinguishable from
+#: a random permutation (Luby & Rackoff 1988), which a per-member evaluation needs.
+_FEISTEL_ROUNDS = 4
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def stratum_of_member(seeds: U64, ns: I64, members: I64) -> I64:
+    """π(i): the stratum of member i of a stratified group, evaluated for that member alone.
+
+    π(i) = (σ(i) + s) mod n, where σ is a keyed bijection of [0, n) — a four-round Feistel
+    network on the smallest even number of bits covering n, cycle-walked back into [0, n)
+    (Black & Rogaway 2002, "Ciphers with arbitrary finite domains", §3) — and s is the
+    group's shift, uniform on [0, n). Each member's stratum is therefore uniform on [0, n)
+    on its own (through s, whatever σ), which is what keeps its code exactly U[0, 1); σ
+    spreads any subset of members (e.g. the first k) over the strata at random. Work and
+    memory are O(1) per member: nothing depends on n beyond its bit length, so a client's
+    group size cannot make a decoding step allocate or sort (qmc-math.md §2 ``stratified``).
+
+    Args:
+        seeds: ``[draws] uint64`` group seeds; ns: ``[draws] int64`` group sizes in
+            ``[1, MAX_GROUP_SIZE]``; members: ``[draws] int64`` member indices in ``[0, n)``.
+
+    Returns:
+        ``[draws] int64`` strata; for one (seed, n), a permutation of ``[0, n)`` over the members.
+    """
+    seeds = np.atleast_1d(np.asarray(seeds, dtype=np.uint64))
+    ns = np.atleast_1d(np.asarray(ns, dtype=np.int64))
+    members = np.atleast_1d(np.asarray(members, dtype=np.int64))
+    bits = np.ceil(np.log2(np.maximum(ns, 2).astype(np.float64))).astype(np.int64)  # exact below 2^52
+    half = ((bits + 1) // 2).astype(np.uint64)
+    n_u = ns.astype(np.uint64)
+    x = _feistel(seeds, members.astype(np.uint64), half)
+    walking = x >= n_u  # a bijection's cycle through an in-range value returns to the range
+    while walking.any():
+        x[walking] = _feistel(seeds[walking], x[walking], half[walking])
+        walking = x >= n_u
+    shift = _below(counter_hash(seeds, Purpose.STRATUM_SHIFT, 0, 0), n_u)
+    return ((x + shift) % n_u).astype(np.int64)
+
+
+def _feistel(seeds: U64, x: U64, half: U64) -> U64:
+    # A balanced Feistel network on 2·half bits; each round key is the counter hash of
+    # (seed, round, right half), so the permutation depends on the group seed alone.
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    left, right = x >> half, x & mask
+    for r in range(_FEISTEL_ROUNDS):
+        left, right = right, left ^ (counter_hash(seeds, Purpose.PERMUTATION, right, r) & mask)
+    return (left << half) | right
+
+
+def _below(h: U64, n: U64) -> U64:
+    # floor(h · n / 2^64) for n <= 2^32 without overflow: a uniform 64-bit h becomes an integer
+    # in [0, n) with relative bias at most n / 2^64 (Lemire 2019, "Fast random integer generation").
+    hi, lo = h >> np.uint64(32), h & _U32
+    return (hi * n + ((lo * n) >> np.uint64(32))) >> np.uint64(32)
 
 
 class StratifiedDesign(GroupDesign):
@@ -156,10 +203,7 @@ class StratifiedDesign(GroupDesign):
         seeds = np.asarray(seeds, dtype=np.uint64)
         ns = np.asarray(ns, dtype=np.int64)
         members = np.asarray(members, dtype=np.int64)
-        strata = np.array(
-            [_stratum_of_member(int(s), int(n))[m] for s, n, m in zip(seeds, ns, members, strict=True)],
-            dtype=np.float64,
-        )
+        strata = stratum_of_member(seeds, ns, members).astype(np.float64)
         jitter = counter_uniform(seeds, Purpose.JITTER, members, 0)
         return np.minimum((strata + jitter) / ns, np.nextafter(1.0, 0.0))
 

@@ -31,6 +31,7 @@ from qmc_sampler.counter_rng import Purpose, counter_uniform, seed_to_u64
 from qmc_sampler.designs import DESIGNS, get_design
 from qmc_sampler.inverse_cdf import ORDERS, Draw
 from qmc_sampler.kernels import fused_draw
+from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN
 
 __all__ = [
     "EXTENSIBLE",
@@ -62,12 +63,13 @@ class GroupSpec:
             size that grows member by member (``iid``, ``lattice``, ``sobol``,
             ``antithetic``). For ``lattice``/``sobol`` use n = 2^m for the full
             balance properties.
-        seed: group seed (any int); all randomness derives from it.
+        seed: group seed, an int in ``[SEED_MIN, SEED_MAX]`` (any 64-bit word); all randomness
+            derives from it.
         order: vocabulary order, ``"id"`` or ``"sorted"``.
 
     Raises:
-        ValueError: on an unknown method or order, n < 0 (or n = 0 for a design
-            that needs its size), or a non-integer seed/n.
+        ValueError: on an unknown method or order, n outside ``[0, MAX_GROUP_SIZE]`` (or n = 0
+            for a design that needs its size), or a seed outside the 64-bit range.
     """
 
     method: str
@@ -77,15 +79,18 @@ class GroupSpec:
 
     def __post_init__(self) -> None:
         design = get_design(self.method)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0:
-            raise ValueError(f"n={self.n!r} is not a group size; use an int >= 1 (or 0 for an extensible group)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 0 <= self.n <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"n={self.n!r} is not a group size; use an int between 1 and {MAX_GROUP_SIZE} "
+                "(or 0 for an extensible group)"
+            )
         if self.n == EXTENSIBLE and not design.extensible:
             raise ValueError(
                 f"method={self.method!r} needs its group size; extensible groups (n=0) take one of "
                 f"{[m for m, d in DESIGNS.items() if d.extensible]}"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} is not an int; use any Python int")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed={self.seed!r} is not a seed; use an int between {SEED_MIN} and {SEED_MAX}")
         if self.order not in ORDERS:
             raise ValueError(f"order={self.order!r} is not a vocabulary order; use one of {set(ORDERS)}")
         if design.wants_power_of_two and self.n & (self.n - 1):

@@ -105,8 +105,8 @@ MUTANTS = [
     Mutant(
         "stratified without its random permutation",
         "qmc_sampler/designs.py",
-        "[_stratum_of_member(int(s), int(n))[m] for s, n, m in zip(seeds, ns, members, strict=True)]",
-        "[m for s, n, m in zip(seeds, ns, members, strict=True)]",
+        "strata = stratum_of_member(seeds, ns, members).astype(np.float64)",
+        "strata = members.astype(np.float64)",
         ("tests/core/test_exactness.py::test_each_member_draws_from_the_processed_model[stratified-plain-id-torch]",),
     ),
     Mutant(
