@@ -19,6 +19,7 @@ from typing import Any
 from qmc_sampler.vllm_plugin.request_args import check_extra_args
 
 from qmc_sampler.designs import METHODS
+from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_request"]
@@ -94,11 +95,16 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
     sampler = body.get("sampler")
     if sampler is not None and sampler not in METHODS:
         raise FieldError(f"sampler={sampler!r} is not a design; use one of {list(METHODS)}", "sampler")
-    seed = next((s for s in (body.get("sampler_seed"), xargs.get("qmc_seed"), body.get("seed")) if s is not None), None)
-    if seed is not None and not _is_int(seed):
-        raise FieldError(f"sampler_seed={seed!r} must be an integer", "sampler_seed")
-    offset = _int(body, "sampler_offset", 0, low=0)
-    size = _int(body, "sampler_group_size", None, low=1)
+    sources = [("sampler_seed", body.get("sampler_seed")), ("vllm_xargs", xargs.get("qmc_seed"))]
+    sources.append(("seed", body.get("seed")))
+    named, seed = next(((k, s) for k, s in sources if s is not None), (None, None))
+    if named is not None:
+        try:
+            check_int(named if named != "vllm_xargs" else "vllm_xargs 'qmc_seed'", seed, SEED_MIN, SEED_MAX)
+        except ValueError as e:
+            raise FieldError(str(e), named) from None
+    offset = _int(body, "sampler_offset", 0, low=0, high=MAX_GROUP_SIZE - 1)
+    size = _int(body, "sampler_group_size", None, low=1, high=MAX_GROUP_SIZE)
     asked = sampler or xargs.get("qmc_method")
     method = asked or default_sampler
     temperature = body.get("temperature")
@@ -159,10 +165,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(body: dict[str, Any], name: str, default: int | None, low: int) -> Any:
+def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
+    if high is not None:
+        try:
+            return check_int(name, value, low, high)
+        except ValueError as e:
+            raise FieldError(str(e), name) from None
     if not _is_int(value) or value < low:
         raise FieldError(f"{name}={value!r} must be an integer >= {low}", name)
     return value

@@ -106,6 +106,13 @@ def _apply_defaults(args: Any, parser: Any) -> None:
         args.enforce_eager = device == "cpu"  # torch.compile costs minutes on a CPU; CUDA graphs stay on a GPU
     if not (args.api_key or os.environ.get("VLLM_API_KEY")) and os.environ.get(API_KEY_ENV):
         os.environ["VLLM_API_KEY"] = os.environ[API_KEY_ENV]  # not on the command line, where `ps` shows it
+    # The plugin's drop-in gives every route's sampled requests the server's design (auto groups of
+    # n = 1 repeats, one group per n > 1 request), not only the two routes the middleware maps.
+    from qmc_sampler.vllm_plugin.request_args import ENV_METHOD
+
+    if os.environ.get(ENV_METHOD, args.sampler) != args.sampler:
+        print(f"qmc-serve: --sampler {args.sampler} replaces {ENV_METHOD}={os.environ[ENV_METHOD]}", flush=True)
+    os.environ[ENV_METHOD] = args.sampler
     if MIDDLEWARE not in args.middleware:
         args.middleware = [*args.middleware, MIDDLEWARE]
     print(f"qmc-serve: {args.model} on {device} in {args.dtype} ({why}); default design {args.sampler}", flush=True)

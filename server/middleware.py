@@ -14,7 +14,6 @@ ones, then aborts that still end each response properly).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import os
@@ -27,12 +26,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qmc_sampler.server.admission import MemberLimiter
-from qmc_sampler.server.fields import LEAST_LOADED, FieldError, Plan, plan_request
+from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
+from starlette.datastructures import Headers
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
 __all__ = ["QMCServeMiddleware"]
 
 ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}  # path → chat
+#: SageMaker's one route: vLLM serves a chat body as chat, else a completion body as a completion.
+INVOCATIONS = "/invocations"
+#: vLLM's other routes that sample: our fields are not mapped there, so a body that carries them is
+#: refused naming the route (never served i.i.d.); without them the server's design still applies
+#: through the plugin's drop-in (``QMC_SAMPLER``, set by qmc-serve from ``--sampler``).
+OTHER_SAMPLING_ROUTES = (
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/chat/completions/batch",
+    "/cohere/v2/chat",
+    "/inference/v1/generate",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+)
 #: Seconds aborted responses get to send their last chunk and ``[DONE]`` on shutdown.
 ABORT_FLUSH_S = 5.0
 _ID = re.compile(rb'"id":\s*"([^"]*)"')
@@ -44,14 +59,14 @@ class _Server:
 
     args: Any
     limiter: MemberLimiter
-    tokens: list[bytes]
+    auth: Any  # vLLM's AuthenticationMiddleware for the server's keys, or None (no key)
     responses: int = 0  # designed or not, in progress
     closing: bool = False
     rotation: itertools.count = field(default_factory=itertools.count)
 
     def authorized(self, scope: dict[str, Any]) -> bool:
-        sent = dict(scope["headers"]).get(b"authorization", b"")  # each key compared in constant time
-        return not self.tokens or any([hmac.compare_digest(sent, t) for t in self.tokens])
+        """vLLM's own decision for this request's ``Authorization`` header (its check, reused)."""
+        return self.auth is None or self.auth.verify_token(Headers(scope=scope))
 
 
 class QMCServeMiddleware:
@@ -71,10 +86,14 @@ class QMCServeMiddleware:
         server = self._server(scope)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path == "/stats" and scope["method"] == "GET":
+            if not server.authorized(scope):  # it reaches every engine: behind the key like /v1
+                METRICS.rejected.labels(RejectedBy.AUTH).inc()
+                await _respond(send, 401, {"error": "Unauthorized"})  # vLLM's 401 body
+                return
             await _respond(send, 200, await self._stats(scope))
             return
-        chat = ENDPOINTS.get(path)
-        if scope["method"] != "POST" or chat is None:
+        mapped = path in ENDPOINTS or path == INVOCATIONS
+        if scope["method"] != "POST" or not (mapped or path in OTHER_SAMPLING_ROUTES):
             await self.app(scope, receive, send)
             return
         if not server.authorized(scope):
@@ -86,13 +105,15 @@ class QMCServeMiddleware:
             return
         server.responses += 1
         try:
-            await self._serve(server, scope, receive, send, path, chat)
+            await self._serve(server, scope, receive, send, path)
         finally:
             server.responses -= 1
 
-    async def _serve(self, server: _Server, scope: dict[str, Any], receive: Any, send: Any, path: str,
-                     chat: bool) -> None:  # fmt: skip
+    async def _serve(self, server: _Server, scope: dict[str, Any], receive: Any, send: Any, path: str) -> None:
         started = time.monotonic()
+        if path not in ENDPOINTS and path != INVOCATIONS and not _is_json(scope):
+            await self.app(scope, receive, send)  # a form upload (audio): no JSON fields to map or refuse
+            return
         raw = await _read_body(scope, receive, server.args.max_body_bytes)
         if raw is None:
             limit = server.args.max_body_bytes
@@ -105,6 +126,20 @@ class QMCServeMiddleware:
         except ValueError:
             body = None
         if not isinstance(body, dict):  # vLLM's own 400
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        chat = ENDPOINTS.get(path, "messages" in body)
+        if path not in ENDPOINTS and (path != INVOCATIONS or not ("messages" in body or "prompt" in body)):
+            sent = [f for f in FIELDS if f in body]
+            if sent:
+                error = FieldError(
+                    f"{sent[0]} is not taken on {path}: qmc-serve's sampler fields apply to /v1/completions, "
+                    f"/v1/chat/completions and /invocations (a completion or chat body); on {path} the server's "
+                    f"default design ({server.args.sampler}) applies, or send vllm_xargs where vLLM takes them",
+                    sent[0],
+                )
+                await _refuse(send, error, RejectedBy.INVALID)
+                return
             await self.app(scope, _replay(raw, receive), send)
             return
         try:
@@ -164,10 +199,12 @@ class QMCServeMiddleware:
     def _server(self, scope: dict[str, Any]) -> _Server:
         if self.server is None:
             args = scope["app"].state.args
-            keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+            from vllm import envs
+
+            keys = [k for k in (args.api_key or [envs.VLLM_API_KEY]) if k]  # as vLLM takes them
             limit = args.max_members_in_flight // max(getattr(args, "api_server_count", None) or 1, 1)
-            self.server = _Server(args, MemberLimiter(max(limit, 1), args.queue_timeout),
-                                  [f"Bearer {k}".encode() for k in keys])  # fmt: skip
+            auth = AuthenticationMiddleware(None, keys) if keys else None  # type: ignore[arg-type]
+            self.server = _Server(args, MemberLimiter(max(limit, 1), args.queue_timeout), auth)
         return self.server
 
     def _lifespan_send(self, scope: dict[str, Any], send: Any) -> Any:
@@ -332,6 +369,11 @@ class _Finishes:
                 last = {**first, "choices": [{"index": index, **choice, "finish_reason": "abort"}]}
                 chunks.append(b"data: " + json.dumps(last, separators=(",", ":")).encode())
         return chunks
+
+
+def _is_json(scope: dict[str, Any]) -> bool:
+    kind = dict(scope["headers"]).get(b"content-type", b"application/json").split(b";")[0].strip().lower()
+    return kind == b"application/json" or kind.endswith(b"+json")
 
 
 async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:

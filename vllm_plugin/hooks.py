@@ -36,6 +36,7 @@ def register() -> None:
 
     install()
     _record_engine_facts()
+    _record_request_ids()
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(WorkerBase, "qmc_sampler_stats"):
@@ -88,3 +89,32 @@ def _record_engine_facts() -> None:
 
     build._qmc_wrapped = True  # type: ignore[attr-defined]
     InputProcessor._build_logits_processors_params_validator = build
+
+
+def _record_request_ids() -> None:
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        original = InputProcessor.process_inputs
+    except (ImportError, AttributeError) as e:
+        logger.warning(
+            "qmc-sampler: cannot see request ids at admission (%s); the prompts of a multi-prompt completion "
+            "request with a design share one seed, so identical prompts in it return identical samples",
+            e,
+        )
+        return
+    if getattr(original, "_qmc_wrapped", False):
+        return
+
+    # Wrapped on the class before any engine is built: vLLM binds ``process_inputs_async`` to it
+    # in ``InputProcessor.__init__``, and runs it in one thread, so the context variable holds.
+    @functools.wraps(original)
+    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from qmc_sampler.vllm_plugin.request_args import admitting
+
+        request_id = kwargs.get("request_id", args[0] if args else None)
+        with admitting(request_id if isinstance(request_id, str) else None):
+            return original(self, *args, **kwargs)
+
+    process_inputs._qmc_wrapped = True  # type: ignore[attr-defined]
+    InputProcessor.process_inputs = process_inputs

@@ -7,12 +7,13 @@ Requests choose a design through ``SamplingParams.extra_args`` (offline) or
 key              meaning
 ================ ====================================================================
 qmc_method       design name (``qmc_sampler.METHODS``); ``iid`` = independent draws
-qmc_seed         group seed (int); default: the request's ``seed``
+qmc_seed         group seed (an int in [-2^63, 2^64 − 1]); default: the request's ``seed``
 qmc_order        vocabulary order, ``id`` (default) or ``sorted``
-qmc_group        group id (str/int) for callers that fan out n = 1 requests themselves
+qmc_group        group id (a str of 1–256 characters, or a 64-bit int) for callers that fan
+                 out n = 1 requests themselves
 qmc_index        this request's member index in ``[0, qmc_n)`` (needs ``qmc_group``); with
                  ``n > 1`` the children are members ``qmc_index … qmc_index + n − 1``
-qmc_n            group size (needs ``qmc_group``)
+qmc_n            group size, 1 … 2^32 (needs ``qmc_group``)
 qmc_auto_group   0: do not group this n = 1 request with its repeats (default 1)
 ================ ====================================================================
 
@@ -32,7 +33,9 @@ variable                       meaning
 Which group a request joins (:mod:`qmc_sampler.vllm_plugin.grouping` has the full
 rules): ``qmc_group`` given → an *explicit* group; ``n > 1`` → a *request* group
 of its children; ``n = 1`` with a design → an *auto* group of its repeats
-(unless auto-grouping is off, then a group of one).
+(unless auto-grouping is off, then a group of one). Prompt i > 0 of a multi-prompt
+completion request uses the group seed :func:`prompt_seed` (seed, i), so its
+members are never another prompt's.
 
 :func:`resolve` runs in ``validate_params``, i.e. in vLLM's front-end *before* the
 ``n > 1`` fan-out (``vllm/v1/engine/input_processor.py::_validate_params``, then
@@ -53,6 +56,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import secrets
 import time
 import uuid
@@ -60,9 +64,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from qmc_sampler.counter_rng import Purpose, counter_seed
+from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
+from qmc_sampler.limits import MAX_GROUP_ID_LENGTH, MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int, is_int
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = [
@@ -76,8 +81,11 @@ __all__ = [
     "REQUEST",
     "EngineFacts",
     "QMCRequest",
+    "admitting",
     "check_extra_args",
     "engine_facts",
+    "prompt_index",
+    "prompt_seed",
     "read_request",
     "resolve",
 ]
@@ -141,6 +149,8 @@ class EngineFacts:
 
 
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("qmc_request_id", default=None)
+_COMPLETION_ITEM = re.compile(r"^cmpl-.*-(\d+)$", re.DOTALL)
 
 
 @contextlib.contextmanager
@@ -162,12 +172,12 @@ def _fresh_seed() -> int:
     return counter_seed(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_extra_args(extra: dict[str, Any]) -> None:
-    """Validate the plugin's keys in a flat ``extra_args`` / ``vllm_xargs`` dict.
+    """Validate the plugin's keys in a flat ``extra_args`` / ``vllm_xargs`` dict, bounds included.
+
+    Seeds and integer group ids are 64-bit words (``qmc_sampler.limits``), ``qmc_n`` is at
+    most ``MAX_GROUP_SIZE``, a string ``qmc_group`` at most ``MAX_GROUP_ID_LENGTH``
+    characters: nothing the engine computes from them grows with a value a client chose.
 
     Raises:
         ValueError: naming the key and its allowed values.
@@ -182,18 +192,27 @@ def check_extra_args(extra: dict[str, Any]) -> None:
     if order is not None and order not in ORDERS:
         raise ValueError(f"vllm_xargs 'qmc_order'={order!r} is not a vocabulary order; use one of {list(ORDERS)}")
     seed = extra.get("qmc_seed")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"vllm_xargs 'qmc_seed'={seed!r} must be an integer")
+    if seed is not None:
+        check_int("vllm_xargs 'qmc_seed'", seed, SEED_MIN, SEED_MAX)
     group = extra.get("qmc_group")
-    if group is not None and not (isinstance(group, str) or _is_int(group)):
-        raise ValueError(f"vllm_xargs 'qmc_group'={group!r} must be a string or an integer")
+    if group is not None:
+        if isinstance(group, str):
+            if not 1 <= len(group) <= MAX_GROUP_ID_LENGTH:
+                raise ValueError(
+                    f"vllm_xargs 'qmc_group' is a string of {len(group)} characters; use 1 to "
+                    f"{MAX_GROUP_ID_LENGTH}, or an integer"
+                )
+        elif not is_int(group) or not SEED_MIN <= group <= SEED_MAX:
+            raise ValueError(
+                f"vllm_xargs 'qmc_group'={group!r} must be a string of 1 to {MAX_GROUP_ID_LENGTH} characters "
+                f"or an integer between {SEED_MIN} and {SEED_MAX}"
+            )
     n = extra.get("qmc_n")
-    if n is not None and (not _is_int(n) or n < 1):
-        raise ValueError(f"vllm_xargs 'qmc_n'={n!r} must be an integer >= 1")
+    if n is not None:
+        check_int("vllm_xargs 'qmc_n'", n, 1, MAX_GROUP_SIZE)
     index = extra.get("qmc_index")
     if index is not None:
-        if not _is_int(index) or index < 0:
-            raise ValueError(f"vllm_xargs 'qmc_index'={index!r} must be an integer >= 0")
+        check_int("vllm_xargs 'qmc_index'", index, 0, MAX_GROUP_SIZE - 1)
         if group is None or n is None:
             raise ValueError("vllm_xargs 'qmc_index' needs 'qmc_group' and 'qmc_n' (the group it is a member of)")
         if index >= n:
@@ -201,8 +220,39 @@ def check_extra_args(extra: dict[str, Any]) -> None:
     if (group is None) != (n is None):
         raise ValueError("vllm_xargs 'qmc_group' and 'qmc_n' go together: give both or neither")
     auto = extra.get("qmc_auto_group")
-    if auto is not None and auto not in (0, 1):  # JSON booleans arrive as 0/1
+    if auto is not None and (not is_int(auto) or auto not in (0, 1)):  # JSON booleans arrive as 0/1
         raise ValueError(f"vllm_xargs 'qmc_auto_group'={auto!r} must be 0 or 1")
+
+
+@contextlib.contextmanager
+def admitting(request_id: str | None) -> Iterator[None]:
+    """Let :func:`resolve` calls inside this block know the engine request id they admit
+    (``hooks`` wraps vLLM's ``InputProcessor.process_inputs`` with it)."""
+    token = _REQUEST_ID.set(request_id)
+    try:
+        yield
+    finally:
+        _REQUEST_ID.reset(token)
+
+
+def prompt_index(request_id: str | None) -> int:
+    """The prompt's place in a multi-prompt completion request, from its engine request id.
+
+    vLLM's completion route submits prompt i of one request as ``"cmpl-{id}-{i}"``
+    (``vllm/entrypoints/openai/completion/serving.py``); every other request is prompt 0.
+    """
+    found = _COMPLETION_ITEM.match(request_id or "")
+    return int(found.group(1)) if found else 0
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The group seed of prompt ``index`` of a multi-prompt request whose seed is ``seed``.
+
+    Prompt 0 keeps ``seed``; prompt i > 0 takes the counter hash of (seed, PROMPT_SEED, i),
+    so identical prompts in one request are different groups, never copies, and sending
+    prompt i alone with ``prompt_seed(seed, i)`` reproduces its group.
+    """
+    return seed if index == 0 else counter_seed(seed_to_u64(seed), Purpose.PROMPT_SEED, index, 0)
 
 
 def _env_default(name: str, allowed: tuple[str, ...]) -> str | None:
@@ -292,6 +342,9 @@ def resolve(params: Any) -> QMCRequest | None:
         params.seed = None
     seed = extra.get("qmc_seed", extra.get(_USER_SEED))
     order = extra.get("qmc_order") or env_order or "id"
+    # Prompt i > 0 of a multi-prompt completion request is a group of its own (derived seed):
+    # the prompts share one body, so otherwise two identical prompts would be copies.
+    prompt = prompt_index(_REQUEST_ID.get())
     if kind == EXPLICIT:
         # A caller's group id is namespaced by method and seed, so that two designs
         # or seeds under one id never share member indices. Without any seed the
@@ -300,6 +353,7 @@ def resolve(params: Any) -> QMCRequest | None:
             from qmc_sampler.vllm_plugin.grouping import stable_seed
 
             seed = stable_seed("qmc_group", str(explicit), method)
+        seed = prompt_seed(int(seed), prompt)
         index, size = extra.get("qmc_index"), int(extra["qmc_n"])
         if index is not None and index + params.n > size:
             raise ValueError(
@@ -312,6 +366,7 @@ def resolve(params: Any) -> QMCRequest | None:
             children=int(params.n), tag=uuid.uuid4().hex,
         )  # fmt: skip
     elif kind == REQUEST:
+        seed = None if seed is None else prompt_seed(int(seed), prompt)
         request = QMCRequest(
             REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}",
             fresh_seed=_fresh_seed() if seed is None else None,

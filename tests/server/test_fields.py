@@ -62,6 +62,14 @@ def test_greedy_and_members():
         ({"n": True}, "n"),
         ({"sampler": "lattic"}, "sampler"),
         ({"sampler_seed": 1.5}, "sampler_seed"),
+        ({"sampler_seed": 2**70}, "sampler_seed"),
+        ({"sampler_seed": -(2**63) - 1}, "sampler_seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"vllm_xargs": {"qmc_seed": 2**64}}, "vllm_xargs"),
+        ({"sampler_group_size": 2**32 + 1, "sampler_seed": 1}, "sampler_group_size"),
+        ({"sampler_offset": 2**32, "sampler_group_size": 2**32, "sampler_seed": 1}, "sampler_offset"),
+        ({"sampler_offset": True, "sampler_group_size": 4, "sampler_seed": 1}, "sampler_offset"),
+        ({"vllm_xargs": {"qmc_group": "g", "qmc_index": 0, "qmc_n": 2**32 + 1}}, "vllm_xargs"),
         ({"sampler_offset": -1}, "sampler_offset"),
         ({"sampler_group_size": 0}, "sampler_group_size"),
         ({"sampler_offset": 4}, "sampler_group_size"),
@@ -79,3 +87,10 @@ def test_bad_fields_name_themselves(body, param):
         plan({"prompt": "x"} | body)
     assert info.value.param == param and info.value.status == 400
     assert info.value.body()["error"]["param"] == param
+
+
+def test_the_largest_group_is_accepted_with_its_bound_named_in_the_error():
+    biggest = plan({"prompt": "x", "sampler": "stratified", "sampler_seed": 3, "sampler_group_size": 2**32})
+    assert biggest.body["vllm_xargs"]["qmc_n"] == 2**32
+    with pytest.raises(FieldError, match=r"sampler_group_size=4294967297 must be an integer between 1 and 4294967296"):
+        plan({"prompt": "x", "sampler_seed": 3, "sampler_group_size": 2**32 + 1})

@@ -41,6 +41,12 @@ def server(tiny_model_dir, serve, tmp_path_factory):
         yield {"url": url, "process": process, "log": log}
 
 
+def stats(server):
+    response = httpx.get(server["url"] + "/stats", headers=auth())
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def client(server, key=KEY):
     return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=key, max_retries=0)
 
@@ -117,7 +123,7 @@ def test_more_members_than_the_limit_is_a_400_and_a_burst_beyond_it_gets_429s(se
     refused = next(r for r in responses if r.status_code == 429)
     assert int(refused.headers["Retry-After"]) >= 1
     assert "--max-members-in-flight" in refused.json()["error"]["message"]
-    assert httpx.get(server["url"] + "/stats").json()["members_in_flight"] == 0
+    assert stats(server)["members_in_flight"] == 0
 
 
 def metric(server, name, **labels):
@@ -243,13 +249,117 @@ def test_clients_that_disconnect_under_load_free_their_members_at_once(server):
         list(pool.map(stream_then_leave, range(4)))
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        stats = httpx.get(server["url"] + "/stats").json()
-        if stats["unfinished_requests"] == 0 and stats["members_in_flight"] == 0:
+        now = stats(server)
+        if now["unfinished_requests"] == 0 and now["members_in_flight"] == 0:
             break
         time.sleep(0.1)
-    assert (stats["unfinished_requests"], stats["members_in_flight"]) == (0, 0)
+    assert (now["unfinished_requests"], now["members_in_flight"]) == (0, 0)
     # and the capacity is there again at once
     assert client(server).completions.create(model="tiny", prompt=PROMPT, n=LIMIT, max_tokens=1).choices
+
+
+def completion(server, body, path="/v1/completions", headers=None):
+    return httpx.post(server["url"] + path, json={"model": "tiny", **body}, headers=headers or auth(), timeout=120)
+
+
+def first_tokens(response):
+    return [c["token_ids"][0] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_stats_is_behind_the_key(server):
+    for headers in ({}, auth("wrong")):
+        response = httpx.get(server["url"] + "/stats", headers=headers)
+        assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}
+    assert stats(server)["engines"][0]["processors"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("headers", "served"),
+    [
+        ([("Authorization", f"bearer {KEY}")], True),  # any case of the scheme, as vLLM
+        ([("Authorization", f"BEARER {KEY}")], True),
+        ([("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer wrong")], True),  # vLLM reads the first
+        ([("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")], False),
+        ([("Authorization", f"Basic {KEY}")], False),
+    ],
+)
+def test_the_key_is_decided_as_vllm_decides_it_and_a_served_request_gets_its_design(server, headers, served):
+    response = completion(server, {"prompt": PROMPT, "n": 2, "max_tokens": 1, "sampler_seed": 9}, headers=headers)
+    assert response.status_code == (200 if served else 401), response.text
+    if served:
+        assert (response.json()["sampler"], response.json()["sampler_seed"]) == ("lattice", 9)
+
+
+def test_a_stratified_group_of_four_billion_is_served_and_the_server_keeps_serving(server):
+    huge = {"prompt": PROMPT, "n": 2, "max_tokens": 2, "return_token_ids": True}
+    fields = {"sampler": "stratified", "sampler_seed": 3, "sampler_offset": 0, "sampler_group_size": 4_000_000_000}
+    xargs = {"vllm_xargs": {"qmc_method": "stratified", "qmc_group": "g", "qmc_index": 0, "qmc_n": 4_000_000_000}}
+    for extra in (fields, xargs):
+        response = completion(server, huge | extra)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
+    for extra, param in (
+        (fields | {"sampler_group_size": 2**32 + 1}, "sampler_group_size"),
+        (fields | {"sampler_seed": 2**70}, "sampler_seed"),
+        ({"vllm_xargs": xargs["vllm_xargs"] | {"qmc_n": 2**32 + 1}}, "vllm_xargs"),
+        ({"vllm_xargs": xargs["vllm_xargs"] | {"qmc_seed": 2**70}}, "vllm_xargs"),
+    ):
+        response = completion(server, huge | extra)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert "must be an integer between" in response.json()["error"]["message"]
+    # refused before vLLM, or by the plugin inside vLLM (members beyond qmc_n): nothing left behind
+    beyond = {"n": 4, "vllm_xargs": {"qmc_method": "lattice", "qmc_group": "h", "qmc_index": 6, "qmc_n": 8}}
+    assert completion(server, huge | beyond).status_code == 400
+    assert completion(server, {"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    now = stats(server)
+    assert (now["unfinished_requests"], now["members_in_flight"]) == (0, 0)
+
+
+def test_identical_prompts_in_one_request_are_groups_of_their_own(server):
+    body = {"prompt": [PROMPT, PROMPT], "n": 4, "max_tokens": 8, "temperature": 1.5, "sampler_seed": 21,
+            "return_token_ids": True}  # fmt: skip
+    response = completion(server, body)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    ids = [tuple(c["token_ids"]) for c in choices]
+    assert ids[:4] != ids[4:] and len(set(ids)) > 4, ids  # before: prompt 2's choices were prompt 1's
+    # Prompt 0 is the request's seed; prompt 1 is prompt_seed(seed, 1): sent alone, the same group's first tokens.
+    from qmc_sampler.vllm_plugin.request_args import prompt_seed
+
+    alone = completion(server, body | {"prompt": PROMPT, "sampler_seed": prompt_seed(21, 1), "max_tokens": 1})
+    assert first_tokens(alone) == [t[0] for t in ids[4:]]
+
+
+def test_invocations_serve_completion_and_chat_bodies_with_their_design(server):
+    completion_body = {"prompt": PROMPT, "n": 4, "max_tokens": 1, "sampler": "lattice", "sampler_seed": 5,
+                       "return_token_ids": True}  # fmt: skip
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "n": 4, "max_tokens": 1, "sampler": "lattice",
+                 "sampler_seed": 5, "return_token_ids": True}  # fmt: skip
+    for body, route in ((completion_body, "/v1/completions"), (chat_body, "/v1/chat/completions")):
+        sagemaker = completion(server, body, "/invocations")
+        assert sagemaker.status_code == 200, sagemaker.text
+        assert (sagemaker.json()["sampler"], sagemaker.json()["sampler_seed"]) == ("lattice", 5)
+        assert first_tokens(sagemaker) == first_tokens(completion(server, body, route))  # the same group
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/messages", "/v1/responses", "/v1/chat/completions/batch", "/cohere/v2/chat", "/inference/v1/generate"],
+)
+def test_other_sampling_routes_refuse_sampler_fields_naming_the_route(server, path):
+    body = {"messages": [{"role": "user", "content": "hi"}], "input": "hi", "max_tokens": 1, "sampler": "lattice"}
+    response = completion(server, body, path)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "sampler" and f"not taken on {path}" in error["message"]
+
+
+def test_other_sampling_routes_get_the_servers_design_through_the_drop_in(server):
+    admitted = sum(e["admitted"] for e in stats(server)["engines"])
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = completion(server, body, "/v1/messages")
+    assert response.status_code == 200, response.text
+    assert sum(e["admitted"] for e in stats(server)["engines"]) == admitted + 1  # the plugin placed it in a group
 
 
 def test_sigterm_during_a_streaming_group_ends_cleanly(server):

@@ -3,7 +3,16 @@
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed")
-from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, read_request, resolve  # noqa: E402
+from qmc_sampler.vllm_plugin.request_args import (  # noqa: E402
+    AUTO,
+    EXPLICIT,
+    REQUEST,
+    admitting,
+    prompt_index,
+    prompt_seed,
+    read_request,
+    resolve,
+)
 from vllm import SamplingParams  # noqa: E402
 
 
@@ -109,17 +118,41 @@ def test_an_explicit_group_without_a_seed_still_shares_one_seed():
         ({"qmc_method": "lattice", "qmc_order": "alpha"}, r"'qmc_order'='alpha' is not a vocabulary order"),
         ({"qmc_method": "lattice", "qmc_seed": "x"}, r"'qmc_seed'='x' must be an integer"),
         ({"qmc_method": "lattice", "qmc_seed": 1.5}, r"'qmc_seed'=1.5 must be an integer"),
-        ({"qmc_method": "lattice", "qmc_n": 0, "qmc_group": "g"}, r"'qmc_n'=0 must be an integer >= 1"),
+        (
+            {"qmc_method": "lattice", "qmc_n": 0, "qmc_group": "g"},
+            r"'qmc_n'=0 must be an integer between 1 and 4294967296",
+        ),
+        (
+            {"qmc_method": "stratified", "qmc_n": 2**32 + 1, "qmc_group": "g"},
+            r"'qmc_n'=4294967297 must be an integer between 1 and 4294967296",
+        ),
+        (
+            {"qmc_method": "lattice", "qmc_seed": 2**70},
+            r"'qmc_seed'=1180591620717411303424 must be an integer between "
+            r"-9223372036854775808 and 18446744073709551615",
+        ),
+        ({"qmc_method": "lattice", "qmc_seed": -(2**63) - 1}, r"'qmc_seed'=-9223372036854775809 must be an integer"),
+        ({"qmc_method": "lattice", "qmc_seed": True}, r"'qmc_seed'=True must be an integer"),
+        ({"qmc_method": "lattice", "qmc_group": "g" * 257, "qmc_n": 2}, r"'qmc_group' is a string of 257 characters"),
+        ({"qmc_method": "lattice", "qmc_group": "", "qmc_n": 2}, r"'qmc_group' is a string of 0 characters; use 1 to"),
+        (
+            {"qmc_method": "lattice", "qmc_group": 2**64, "qmc_n": 2},
+            r"'qmc_group'=18446744073709551616 must be a string",
+        ),
+        ({"qmc_method": "lattice", "qmc_group": 1.5, "qmc_n": 2}, r"'qmc_group'=1.5 must be a string of 1 to 256"),
         ({"qmc_method": "lattice", "qmc_index": 1}, r"'qmc_index' needs 'qmc_group' and 'qmc_n'"),
         ({"qmc_method": "lattice", "qmc_index": 8, "qmc_group": "g", "qmc_n": 8}, r"'qmc_index'=8 must be < 'qmc_n'=8"),
         ({"qmc_method": "lattice", "qmc_group": "g"}, r"'qmc_group' and 'qmc_n' go together"),
         ({"qmc_method": "lattice", "qmc_auto_group": 2}, r"'qmc_auto_group'=2 must be 0 or 1"),
+        ({"qmc_method": "lattice", "qmc_auto_group": 1.0}, r"'qmc_auto_group'=1.0 must be 0 or 1"),
         ({"qmc_metod": "lattice"}, r"unknown extra_args/vllm_xargs key 'qmc_metod'"),
     ],
 )
 def test_bad_arguments_name_the_key(extra, message):
+    params = SamplingParams(n=2)
+    params.extra_args = extra  # past vLLM's own check of extra_args' integers (the same 64-bit range)
     with pytest.raises(ValueError, match=message):
-        resolve(SamplingParams(n=2, extra_args=extra))
+        resolve(params)
 
 
 @pytest.mark.parametrize(
@@ -186,3 +219,31 @@ def test_a_design_under_an_uncorrectable_processed_logprobs_mode_is_refused(monk
         assert resolve(SamplingParams(n=4)) is None  # no design: served as without the plugin
     with engine_facts(EngineFacts(logprobs_mode="raw_logprobs")):
         assert resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"})) is not None
+
+
+@pytest.mark.parametrize(
+    ("request_id", "index"),
+    [("cmpl-abc-0", 0), ("cmpl-abc-3", 3), ("cmpl-my-id-7-12", 12), ("chatcmpl-abc", 0), ("5", 0), (None, 0)],
+)
+def test_the_prompt_index_comes_from_vllms_completion_request_id(request_id, index):
+    assert prompt_index(request_id) == index
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"qmc_method": "lattice", "qmc_seed": 7},  # one n > 1 request: a request group per prompt
+        {"qmc_method": "lattice", "qmc_seed": 7, "qmc_group": "g", "qmc_n": 8, "qmc_index": 0},  # qmc-serve's form
+        {"qmc_method": "stratified", "qmc_group": "g", "qmc_n": 8},  # an explicit group without a seed
+    ],
+)
+def test_each_prompt_of_a_multi_prompt_completion_is_a_group_of_its_own(extra):
+    placed = []
+    for i in range(3):
+        with admitting(f"cmpl-abc-{i}"):
+            placed.append(resolve(SamplingParams(n=4, extra_args=dict(extra))))
+    seeds = [r.seed for r in placed]
+    assert len(set(seeds)) == 3 and len({r.group for r in placed}) == 3
+    assert seeds[1] == prompt_seed(seeds[0], 1) and seeds[2] == prompt_seed(seeds[0], 2)
+    if "qmc_seed" in extra:
+        assert seeds[0] == 7  # prompt 0 keeps the request's seed: one prompt alone is unchanged
