@@ -69,6 +69,45 @@ def test_bad_vllm_xargs_get_http_400_naming_the_key(server, xargs, key):
     assert key in str(info.value)
 
 
+def unfinished_requests(client):
+    """vLLM's running + waiting requests, from its Prometheus /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in gauges)
+
+
+def test_a_stratified_group_of_four_billion_is_served_and_a_larger_one_refused(server):
+    xargs = {"qmc_method": "stratified", "qmc_group": "g", "qmc_index": 0, "qmc_n": 4_000_000_000}
+    served = server.completions.create(
+        model="tiny", prompt="the quick brown", n=2, max_tokens=2, extra_body={"vllm_xargs": xargs}
+    )
+    assert len(served.choices) == 2
+    for bad in ({"qmc_n": 2**32 + 1}, {"qmc_seed": 2**70}, {"qmc_index": 6, "qmc_n": 8}):
+        with pytest.raises(openai.BadRequestError) as info:
+            server.completions.create(
+                model="tiny", prompt="the quick brown", n=4, max_tokens=2, extra_body={"vllm_xargs": xargs | bad}
+            )
+        assert info.value.status_code == 400
+    assert server.completions.create(model="tiny", prompt="the quick brown", max_tokens=1).choices  # still serving
+    assert unfinished_requests(server) == 0
+
+
+def test_identical_prompts_in_one_request_are_groups_of_their_own(server):
+    response = server.completions.create(
+        model="tiny",
+        prompt=["the quick brown", "the quick brown"],
+        n=4,
+        max_tokens=8,
+        temperature=1.5,
+        extra_body={"vllm_xargs": {"qmc_seed": 21}, "return_token_ids": True},
+    )
+    ids = [tuple(c.token_ids) for c in sorted(response.choices, key=lambda c: c.index)]
+    assert ids[:4] != ids[4:] and len(set(ids)) > 4, ids  # before: prompt 2's choices were prompt 1's
+
+
 def test_a_lattice_group_over_http(server):
     response, again = (
         server.completions.create(
