@@ -39,6 +39,16 @@ def test_groups_stay_whole_on_one_engine_and_spread_over_both(url, hf_model, tin
         choices = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
         return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
 
+    # Refused requests first: by qmc-serve (bounds), by vLLM's checks and by the plugin inside vLLM
+    # (members beyond qmc_n). None may leave an engine count behind, or the least-loaded pinning below
+    # would send both groups to the other engine.
+    beyond = {"qmc_method": "lattice", "qmc_group": "g", "qmc_index": 6, "qmc_n": 8}
+    refused = [{"n": 8, "sampler_group_size": 2**32 + 1, "sampler_seed": 1}, {"n": 8, "max_tokens": -1},
+               {"n": 4, "vllm_xargs": beyond}]  # fmt: skip
+    for body in refused:
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT} | body, timeout=60)
+        assert response.status_code == 400, response.text
+    assert httpx.get(f"{url}/stats").json()["unfinished_requests"] == 0
     with ThreadPoolExecutor(2) as pool:
         groups = list(pool.map(group, (5, 6)))
     engines = httpx.get(f"{url}/stats").json()["engines"]
