@@ -45,7 +45,8 @@ arriving while the group is open becomes its next member — never an
 index that was already used, even by a finished member; a repeat after that
 starts the group again (with a user seed: the same group, members 0, 1, …;
 without: a fresh one). At most ``max_open_groups`` are kept; beyond that the
-longest-idle group is forgotten. Expiries and evictions are counted.
+longest-idle group is forgotten. Expiries and evictions are counted, and
+reported to ``on_close`` (the registry forgets the group's parked members then).
 
 Members beyond an explicit or request group's size ``n`` (more arrivals than
 the group has members) keep their own index ≥ n and draw fresh counter-based
@@ -128,12 +129,19 @@ class GroupResolver:
         salt: this engine's identity; max_open_groups: bound on remembered auto
             groups (and on arrival counters of the other kinds); clock: the wall
             clock (seconds, comparable with the front-end's ``time.time()``).
+        on_close: called with ``(key, why)`` when an auto group is closed — expired
+            (``why`` = "expired") or evicted ("evicted") — so its parked members go
+            with it; set by :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`.
+            Groups expire lazily: when a repeat arrives after the TTL (a sweep by the
+            clock could close a group that a queued repeat, stamped within the TTL,
+            should still join).
     """
 
     salt: EngineSalt = field(default_factory=EngineSalt)
     max_open_groups: int = 4096
     clock: Callable[[], float] = time.time
     stats: GroupStats = field(default_factory=GroupStats)
+    on_close: Callable[[Hashable, str], None] | None = None
     _arrivals: OrderedDict[str, int] = field(default_factory=OrderedDict)
     _derived: OrderedDict[str, int] = field(default_factory=OrderedDict)
     _auto: OrderedDict[Hashable, _AutoGroup] = field(default_factory=OrderedDict)
@@ -211,6 +219,7 @@ class GroupResolver:
         if group is not None and group.live == 0 and request.arrival - group.idle_since > request.ttl:
             del self._auto[key]
             self.stats.auto_expired += 1
+            self._closed(key, "expired")
             group = None
         if group is None:
             group = self._open_auto(key, request)
@@ -231,18 +240,27 @@ class GroupResolver:
         group = _AutoGroup(seed=seed)
         self._auto[key] = group
         self.stats.auto_groups += 1
-        self._evict_idle()
+        self._evict_idle(keep=key)
         return group
 
-    def _evict_idle(self) -> None:
+    def _evict_idle(self, keep: Hashable) -> None:
         # Live groups are never forgotten (their members are bounded by the batch);
-        # the longest-idle ones go first.
+        # the longest-idle ones go first. The group being opened is kept too: its member
+        # is not live yet, and placing it needs the group (evicting it was a KeyError in
+        # the engine step). With every other group live, more than max_open_groups stay
+        # open until some go idle: live groups are bounded by the batch.
         for key in list(self._auto):
             if len(self._auto) <= self.max_open_groups:
                 return
-            if self._auto[key].live == 0:
+            if self._auto[key].live == 0 and key != keep:
                 del self._auto[key]
                 self.stats.auto_evicted += 1
+                self._closed(key, "evicted")
+
+    def _closed(self, key: Hashable, why: str) -> None:
+        """Report a closed auto group to ``on_close``."""
+        if self.on_close is not None:
+            self.on_close(key, why)
 
     def _next_arrival(self, group: str) -> int:
         member = self._arrivals.pop(group, 0)

@@ -127,6 +127,9 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             "lost": reg.lost,
             "unsampleable": reg.unsampleable,
             "parked": self.registry.parked(),
+            "parked_dropped": reg.parked_dropped,
+            "parked_evicted": reg.parked_evicted,
+            "parked_expired": reg.parked_expired,
             "overflow": groups.overflow,
             "auto_groups": groups.auto_groups,
             "auto_members": groups.auto_members,
@@ -245,7 +248,9 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         ``restored`` members resumed after preemption, ``lost`` members that continued
         with fresh uniforms, ``unsampleable`` rows left to the engine (NaN or nothing
         admissible), ``overflow`` arrivals beyond a group's n, ``auto_*`` the
-        auto-grouping counters, ``rows`` members in the batch now.
+        auto-grouping counters, ``rows`` members in the batch now, ``parked`` members kept for
+        resumption, ``parked_dropped``/``parked_evicted``/``parked_expired`` those dropped by the
+        per-key bound, the global bound, or with their auto group.
     """
     runner = worker.model_runner
     found: list[QMCLogitsProcessor] = []

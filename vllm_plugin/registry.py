@@ -21,7 +21,14 @@ samples and discards). The registry is where both runners' adapters meet:
   member's row back when it leaves the batch (and for ``stats``);
 * **parking** (:meth:`MemberRegistry.park`): a row that leaves the batch
   (finished or preempted — vLLM does not say which) keeps its member, holding
-  only what resumption needs (no engine buffers), in an LRU of bounded size.
+  only what resumption needs (no engine buffers). Parked members are filed by
+  (group key, history fingerprint) — a member with a pending draw under both
+  histories it matches — so admission costs two dictionary lookups however many
+  are parked (a hot identical prompt parks thousands under one key). They are
+  bounded per group key (:attr:`MemberRegistry.max_parked_per_key`, oldest
+  dropped first) and in all (:attr:`MemberRegistry.max_parked`, least recently
+  parked first), and forgotten with their auto group when it expires or is
+  evicted; each of these is counted in :class:`RegistryStats` and logged.
 
 A re-admitted request whose member cannot be found (evicted, or a history that
 matches no parked member) continues with fresh counter-based uniforms — still
@@ -33,6 +40,7 @@ them is exact too.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import OrderedDict
@@ -63,6 +71,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.qmc_sampler")
+
+# The history fingerprints parked members are filed under (MemberRegistry._file): "at" a
+# committed history (length, hash); "next" committed + a pending token (length, prefix hash, token).
+_AT, _NEXT = "at", "next"
 
 # Two 31-bit polynomial hashes side by side, one int64: each step's product stays below
 # 2^51, so the device extends the hash in int64 arithmetic exactly as the host does.
@@ -141,6 +153,10 @@ class Member:
     def consistent_with(self, output_ids: Sequence[int]) -> bool:
         """True if ``output_ids`` is this (parked) member's history: committed, or committed + its pending token.
 
+        The specification of matching: the registry files parked members under the
+        fingerprints of exactly these histories (:meth:`fingerprints`) and never calls
+        this per candidate.
+
         An empty history matches only a member that never drew a token still in doubt: a
         member parked with a pending first draw may have emitted it (a request that
         finished after one token), and a new request must not take its code.
@@ -157,6 +173,49 @@ class Member:
             and self.history == token_history(output_ids[:-1])
         )
 
+    def fingerprints(self) -> list[tuple]:
+        """The fingerprints of the histories this (parked) member is :meth:`consistent_with`.
+
+        Returns:
+            Up to two keys, comparable with :func:`history_fingerprints` of a request's
+            output: ``("at", step, history)`` for its committed history (for step 0 only
+            without a pending draw, and hash-free: every empty history is the same), and
+            ``("next", step + 1, history, token)`` for committed + its pending token. A
+            member whose history is unknown (``history == -1``: it lost its state) has
+            no non-empty history.
+        """
+        state, pending, history = self.state, self.pending, self.history
+        keys: list[tuple] = []
+        if state.step == 0:
+            if pending is None:
+                keys.append((_AT, 0, 0))
+        elif history >= 0:
+            keys.append((_AT, state.step, history))
+        if pending is not None and history >= 0:
+            keys.append((_NEXT, state.step + 1, history, int(pending.token)))
+        return keys
+
+
+def history_fingerprints(output_ids: Sequence[int]) -> tuple[tuple, tuple | None, int]:
+    """What an admission looks up: ``output_ids`` as a committed history, and as committed +
+    a pending token (its last one); one pass over the tokens.
+
+    Args:
+        output_ids: the request's output tokens so far (any length).
+
+    Returns:
+        ``(at, after, history)``: the ``"at"`` key of :meth:`Member.fingerprints` for this
+        history, the ``"next"`` key (None for an empty history), and
+        :func:`token_history` of ``output_ids``.
+    """
+    done = len(output_ids)
+    if done == 0:
+        return (_AT, 0, 0), None, 0
+    last = int(output_ids[-1])
+    prefix = token_history(itertools.islice(output_ids, done - 1))
+    history = token_history((last,), prefix)  # the rolling hash goes on from the prefix's
+    return (_AT, done, history), (_NEXT, done, prefix, last), history
+
 
 @dataclass
 class RegistryStats:
@@ -166,6 +225,9 @@ class RegistryStats:
     restored: int = 0
     lost: int = 0
     unsampleable: int = 0  # rows left to the engine: NaN, or no admissible token
+    parked_dropped: int = 0  # parked members dropped: their group key held max_parked_per_key
+    parked_evicted: int = 0  # parked members dropped: the registry held max_parked
+    parked_expired: int = 0  # parked members forgotten with their auto group (TTL or eviction)
 
 
 class DevicePool:
@@ -220,8 +282,29 @@ class DevicePool:
             self.columns[k][slot] = v
 
     def get(self, slot: int) -> dict[str, Any]:
-        """Read one row back (parking and stats: device to host)."""
-        return {k: c[slot].item() for k, c in self.columns.items()}
+        """Read one row back (parking and stats) in one device-to-host transfer.
+
+        Model Runner V2 parks every member its step leaves out, so this runs per park:
+        one scalar read per column would be one device sync each.
+
+        Args:
+            slot: the row.
+
+        Returns:
+            Column name → value: ``float`` for :attr:`FLOATS`, ``int`` for :attr:`INTS`,
+            ``bool`` for :attr:`BOOLS` (bit-exact: floats travel as their int64 bits).
+        """
+        c = self.columns
+        # One-element slices are views (no kernel); float64 and int64 share a width, so the
+        # floats travel as their bits, and the ints (hashes up to 2^62) exactly.
+        parts = [c[k][slot : slot + 1].view(torch.int64) for k in self.FLOATS]
+        parts += [c[k][slot : slot + 1] for k in self.INTS]
+        parts.append(torch.cat([c[k][slot : slot + 1] for k in self.BOOLS]).long())
+        row = torch.cat(parts).cpu().numpy()
+        floats, ints = len(self.FLOATS), len(self.FLOATS) + len(self.INTS)
+        values = row[:floats].view(np.float64).tolist() + row[floats:ints].tolist()
+        values += [bool(b) for b in row[ints:]]
+        return dict(zip(self.FLOATS + self.INTS + self.BOOLS, values, strict=True))
 
     def __getattr__(self, name: str) -> torch.Tensor:
         columns = self.__dict__.get("columns", {})
@@ -232,17 +315,47 @@ class DevicePool:
 
 @dataclass
 class MemberRegistry:
-    """All members of one processor: placement, parking and the draw cycle (module docstring)."""
+    """All members of one processor: placement, parking and the draw cycle (module docstring).
+
+    Attributes:
+        resolver: places new members in groups; the registry hooks its ``on_close`` to
+            forget the parked members of an auto group that expires or is evicted.
+        max_parked: bound on parked members in all; beyond it the least recently parked
+            is dropped (counted in ``stats.parked_evicted``).
+        max_parked_per_key: bound on parked members of one group key (a hot prompt's auto
+            group, an explicit group); beyond it that key's oldest is dropped (counted in
+            ``stats.parked_dropped``). A preempted request waits for at most the engine's
+            batch to drain, so its member is dropped only if more than this many siblings
+            leave the batch meanwhile. A dropped member whose request comes back continues
+            as an unmatched one: a new member index, fresh counter-based uniforms (exact;
+            counted in ``stats.lost``).
+    """
 
     resolver: GroupResolver = field(default_factory=GroupResolver)
     max_parked: int = 65_536
+    max_parked_per_key: int = 4_096
     stats: RegistryStats = field(default_factory=RegistryStats)
     pool: DevicePool = field(default_factory=DevicePool)
     _parked: OrderedDict[int, Member] = field(default_factory=OrderedDict)  # LRU over all groups
+    # Per group key, in park order (its oldest first): the per-key bound and group expiry. (A
+    # plain dict: reaching its first entry scans the slots emptied at its front since its last
+    # resize, about a microsecond at the default bound.)
     _parked_by_group: dict[Hashable, dict[int, Member]] = field(default_factory=dict)
+    # (group key, *fingerprint) → its members as a _Bucket (id(member), park number): admission's lookup.
+    _by_history: dict[tuple, _Bucket] = field(default_factory=dict)
+    # (group key, *fingerprint, identity) → the same, for members parked with an identity.
+    _by_identity: dict[tuple, _Bucket] = field(default_factory=dict)
+    # id(member) → (its history keys, its identity): what to take out of the index when it leaves.
+    _filed: dict[int, tuple[tuple[tuple, ...], Hashable]] = field(default_factory=dict)
+    _parks: int = 0  # members parked so far (the park number)
     _commits: list[tuple[Member, int, bool]] = field(default_factory=list)  # (member, token or -1, we drew it)
     _go_fresh: list[Member] = field(default_factory=list)  # carry members the host saw lose their code
     _active: dict[int, Member] = field(default_factory=dict)  # pool row -> member in the batch
+
+    def __post_init__(self) -> None:
+        # An auto group that the resolver closes (its TTL ran out, or it was evicted) can have
+        # no more members: its parked ones would only hold memory until the LRU drops them.
+        self.resolver.on_close = self._group_closed
 
     # ---- admission and parking ---------------------------------------------
     def admit(
@@ -262,9 +375,14 @@ class MemberRegistry:
             output_ids: the tokens it has generated so far (non-empty after preemption).
             identity: what names the request across removal and re-adding, if the
                 adapter knows (V1: its output list's id; MRV2: its params object's id).
+
+        Returns:
+            The member, in the batch (it has a pool row).
         """
         key = self.resolver.key(request, prompt_ids)
-        member = self._unpark(key, identity, output_ids)
+        # The output's history is hashed once here, whatever the number of parked members.
+        at, after, history = history_fingerprints(output_ids)
+        member = self._unpark(key, identity, len(output_ids), at, after)
         if member is not None:
             self.stats.restored += 1
             member.identity = identity
@@ -287,14 +405,20 @@ class MemberRegistry:
         self.resolver.joined(placement)
         if output_ids:
             self._lose(member, len(output_ids))
-            member.history = token_history(output_ids)
+            member.history = history
         self._activate(member)
         return member
 
     def park(self, member: Member, accepted: int | None = None, last_token: int | None = None) -> None:
         """Keep a member whose row left the batch, in case its request comes back (preemption).
 
+        It is filed by its history (:meth:`Member.fingerprints`); if its group key then holds
+        more than :attr:`max_parked_per_key` parked members, the key's oldest is dropped, and
+        if the registry holds more than :attr:`max_parked`, the least recently parked (each
+        counted and logged).
+
         Args:
+            member: a member in the batch.
             accepted, last_token: the engine's count of the request's accepted tokens and
                 the last one, where the adapter still knows them (V1): the pending draw is
                 then settled before parking, so a finished member never looks unstarted.
@@ -303,19 +427,27 @@ class MemberRegistry:
             self.sync(member, accepted, last_token)
         self._deactivate(member)
         self.resolver.left(member.placement, member.last_step_at)
+        if id(member) in self._parked:  # parked twice: filed again, as parked now
+            self._parked.pop(id(member))
+            self._forget(member)
         key = id(member)
         self._parked[key] = member
         self._parked_by_group.setdefault(member.group_key, {})[key] = member
+        self._file(member)
+        group = self._parked_by_group.get(member.group_key, {})
+        if len(group) > self.max_parked_per_key:
+            self.stats.parked_dropped += 1
+            self._drop(next(iter(group.values())), self.stats.parked_dropped, "its group key held max_parked_per_key")
         while len(self._parked) > self.max_parked:
-            _, old = self._parked.popitem(last=False)
-            self._forget(old)
+            self.stats.parked_evicted += 1
+            self._drop(next(iter(self._parked.values())), self.stats.parked_evicted, "the registry held max_parked")
 
     def reclaim(self, member: Member) -> bool:
         """Take a parked member back into the batch as it is (its request was only not
         scheduled for a while); False if a re-admitted request took it meanwhile."""
         if self._parked.pop(id(member), None) is None:
             return False
-        self._forget(member)
+        self._forget(member)  # out of the index: no admission may take a member in the batch
         self.resolver.joined(member.placement)
         self._activate(member)
         return True
@@ -440,10 +572,14 @@ class MemberRegistry:
             self._warn_degraded(m, why)
 
     def counters(self) -> RegistryStats:
-        """:attr:`stats` with the device's counts of the members in the batch folded in (a sync)."""
+        """:attr:`stats` with the device's counts of the members in the batch folded in (one sync)."""
         self._flush()
-        for slot, member in self._active.items():
-            self._fold_events(slot, member)
+        if self._active:
+            slots = list(self._active)
+            index = upload(np.array(slots, dtype=np.int64), self.pool.device)
+            counts = torch.stack([self.pool.lost[index], self.pool.left[index]]).cpu().tolist()
+            for slot, lost, left in zip(slots, *counts, strict=True):
+                self._fold_events(slot, self._active[slot], lost, left)
         return self.stats
 
     # ---- internals ----------------------------------------------------------
@@ -564,10 +700,10 @@ class MemberRegistry:
         # A draw in doubt; none where the engine sampled the row itself (it has no interval of ours).
         drew = member.drew and bool(row["ours"])
         member.pending = Pending(row["u"], row["start"], row["prob"], int(row["token"])) if drew else None
-        self._fold_events(member.slot, member)
+        self._fold_events(member.slot, member, row["lost"], row["left"])
 
-    def _fold_events(self, slot: int, member: Member | None = None) -> None:
-        lost, left = int(self.pool.lost[slot].item()), int(self.pool.left[slot].item())
+    def _fold_events(self, slot: int, member: Member | None, lost: int, left: int) -> None:
+        """Add a pool row's event counts (read back by the caller) to :attr:`stats`, and zero them."""
         if not (lost or left):
             return
         self.pool.put(slot, lost=0, left=0)
@@ -617,28 +753,137 @@ class MemberRegistry:
             self.stats.lost,
         )
 
-    def _unpark(self, key: Hashable, identity: Hashable, output_ids: Sequence[int]) -> Member | None:
-        candidates = [m for m in self._parked_by_group.get(key, {}).values() if m.consistent_with(output_ids)]
+    def _unpark(self, key: Hashable, identity: Hashable, done: int, at: tuple, after: tuple | None) -> Member | None:
+        """Take out of parking the member a request entering the batch resumes, if any.
+
+        The rule, over the key's parked members :meth:`Member.consistent_with` the request's
+        output in the order they were parked: the first with the request's identity; else,
+        for a request with a history, the first exactly at it, else the first whose pending
+        token completes it. Here: at most four dictionary lookups, whatever the count parked.
+
+        Args:
+            key: the request's group key; identity: see :meth:`admit`; done: its output length;
+            at, after: :func:`history_fingerprints` of its output.
+        """
         found = None
         if identity is not None:
-            found = next((m for m in candidates if m.identity == identity), None)
+            found = self._first_parked((key, *at), identity, (key, *after) if after else None)
         # Matching by history alone needs a history: a new request arrives with
         # none, and must never take a parked sibling's member.
-        if found is None and output_ids and candidates:
+        if found is None and done:
             # Most specific first: a member exactly at this history, then one whose
             # pending draw is the last accepted token.
-            found = next((m for m in candidates if m.state.step == len(output_ids)), candidates[0])
+            found = self._first_parked((key, *at)) or (self._first_parked((key, *after)) if after else None)
         if found is not None:
             del self._parked[id(found)]
             self._forget(found)
         return found
 
+    def _first_parked(self, first: tuple, identity: Hashable = None, second: tuple | None = None) -> Member | None:
+        """The earliest parked member filed under one of two index keys.
+
+        Args:
+            first, second: ``(group key, *fingerprint)`` keys (``second`` may be None).
+            identity: if not None, only members parked with this identity.
+
+        Returns:
+            The member parked first among those filed there, or None (it stays parked).
+        """
+        best: tuple[int, int] | None = None  # (park number, id)
+        for history in (first, second):
+            if history is None:
+                continue
+            bucket = self._by_history.get(history) if identity is None else self._by_identity.get((*history, identity))
+            if bucket is not None:
+                ident, number = _first(bucket)  # park order: the first is the earliest
+                if best is None or number < best[0]:
+                    best = (number, ident)
+        # Every filed member is parked (filing and _forget go together); a miss is no member.
+        return None if best is None else self._parked.get(best[1])
+
+    def _file(self, member: Member) -> None:
+        """Index a member being parked under its group key and the histories it matches."""
+        self._parks += 1
+        histories = tuple((member.group_key, *fp) for fp in member.fingerprints())
+        for k in histories:
+            _add(self._by_history, k, id(member), self._parks)
+            if member.identity is not None:
+                _add(self._by_identity, (*k, member.identity), id(member), self._parks)
+        self._filed[id(member)] = (histories, member.identity)
+
     def _forget(self, member: Member) -> None:
+        """Take a member that is leaving parking (already out of ``_parked``) out of the index."""
         group = self._parked_by_group.get(member.group_key)
         if group is not None:
             group.pop(id(member), None)
             if not group:
                 del self._parked_by_group[member.group_key]
+        histories, identity = self._filed.pop(id(member), ((), None))
+        for k in histories:
+            _remove(self._by_history, k, id(member))
+            if identity is not None:
+                _remove(self._by_identity, (*k, identity), id(member))
+
+    def _drop(self, member: Member, count: int, why: str) -> None:
+        """Drop a parked member to keep a bound; ``count``: that bound's drops so far (logged)."""
+        del self._parked[id(member)]
+        self._forget(member)
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, …: loud, not a line per park
+            logger.warning(
+                "qmc-sampler: dropped parked member %d of group %s at step %d: %s. If its request was "
+                "preempted it continues with fresh uniforms (still an exact sample). Dropped so far: %d",
+                member.placement.member, member.placement.label, member.state.step, why, count,
+            )  # fmt: skip
+
+    def _group_closed(self, key: Hashable, why: str) -> None:
+        """Forget the parked members of an auto group the resolver closed (``why``: expired or evicted)."""
+        members = [m for m in self._parked_by_group.get(key, {}).values() if m.placement.auto_key == key]
+        if not members:
+            return
+        for member in members:
+            del self._parked[id(member)]
+            self._forget(member)
+        self.stats.parked_expired += len(members)
+        logger.info(
+            "qmc-sampler: auto group %s %s: forgot its %d parked member(s) (a preempted one that comes back "
+            "continues with fresh uniforms). Forgotten so far: %d",
+            members[0].placement.label, why, len(members), self.stats.parked_expired,
+        )  # fmt: skip
+
+
+# The parked members filed under one key of the index, in park order, as (id(member), park
+# number): most histories are one member's, kept as that pair (a few dozen bytes, not a
+# dictionary's hundreds, for up to max_parked members); two or more, as an OrderedDict, whose
+# first entry stays O(1) to reach however many were taken from its front before.
+_Bucket = tuple[int, int] | OrderedDict[int, int]
+
+
+def _add(index: dict[tuple, _Bucket], key: tuple, ident: int, number: int) -> None:
+    """File member ``ident`` (parked as number ``number``, the highest so far) under ``key``."""
+    bucket = index.get(key)
+    if bucket is None:
+        index[key] = (ident, number)
+    elif isinstance(bucket, tuple):
+        index[key] = OrderedDict((bucket, (ident, number)))
+    else:
+        bucket[ident] = number
+
+
+def _first(bucket: _Bucket) -> tuple[int, int]:
+    """The ``(id, park number)`` of the earliest parked member in ``bucket``."""
+    return bucket if isinstance(bucket, tuple) else next(iter(bucket.items()))
+
+
+def _remove(index: dict[tuple, _Bucket], key: tuple, ident: int) -> None:
+    """Take member ``ident`` out of ``key``'s bucket (dropping the bucket once empty)."""
+    bucket = index.get(key)
+    if isinstance(bucket, tuple):
+        if bucket[0] == ident:
+            del index[key]
+    elif bucket is not None:
+        bucket.pop(ident, None)
+        if not bucket:
+            del index[key]
 
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -75,3 +75,14 @@ def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_cor
 def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env):
     done = quick("fleet_scaling.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
+
+
+def test_the_parked_members_benchmark_quick_form_runs_side_by_side():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "parked_members.py"), "--quick"], capture_output=True, text=True, timeout=600
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "\nCPU: " in "\n" + done.stdout and "parked / with none: hot " in done.stdout, done.stdout
+    rows = {r[0]: r for r in (line.split() for line in done.stdout.splitlines()) if r and r[-1].endswith("x")}
+    assert set(rows) == {"empty", "hot", "spread"}, done.stdout  # one process, the three registries
+    assert int(rows["empty"][1]) < 2000 <= int(rows["hot"][1]) and 2000 <= int(rows["spread"][1]), done.stdout
