@@ -6,9 +6,13 @@ transformers builds, for ``do_sample=True``, a chain of processors and warpers
 ``GenerationMixin._sample``). Appended after all of them, the forcer sees exactly
 the distribution HF would sample from. It
 
-1. places each row in a group at the first step: rows whose prompt tokens are
-   identical (``num_return_sequences`` copies, or a batch of repeated prompts as
-   TRL's GRPO sends) form one group, members numbered in row order;
+1. places each row in a group at the first step: the rows of prompts with equal
+   keys form one group — :class:`~qmc_sampler.hf.QMCGenerate` keys prompts on all
+   their model inputs (:func:`qmc_sampler.hf.rows.prompt_keys`: encoder inputs,
+   ``inputs_embeds``, image features, …); a forcer used on its own, without keys,
+   can only key rows on their decoder ``input_ids`` (see :class:`QMCForcer`). A
+   merged group's member indices are spread over its prompts' copies
+   (:func:`member_order`);
 2. draws each row's token by inverse CDF of ``softmax(scores)`` with the member's
    uniform (:func:`qmc_sampler.group.draw_members`), carries the residual
    (:func:`qmc_sampler.group.carry_member`) — HF never discards a draw; and
@@ -25,26 +29,54 @@ once. Returned ``scores`` (``output_scores=True``) are the one-hot rows;
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from qmc_sampler.counter_rng import Purpose, counter_seed
+from qmc_sampler.designs import get_design
 from qmc_sampler.group import GroupSpec, MemberState, carry_member, draw_members
 
-__all__ = ["ForcerStats", "GroupRecord", "QMCForcer"]
+__all__ = ["ForcerStats", "GroupRecord", "QMCForcer", "member_order"]
 
 logger = logging.getLogger("qmc_sampler.hf")
+
+_STATS_LOCK = threading.Lock()
 
 
 @dataclass
 class ForcerStats:
-    """What the forcers of one :class:`~qmc_sampler.hf.QMCGenerate` did (cumulative)."""
+    """What the forcers of one :class:`~qmc_sampler.hf.QMCGenerate` did (cumulative).
+
+    Updated through :meth:`add`, which is atomic, so one object may be shared by
+    concurrent ``generate`` calls in several threads.
+    """
 
     calls: int = 0  # generate calls served
     groups: int = 0  # groups formed
     members: int = 0  # rows drawn by design
     unsampleable: int = 0  # row-steps left to HF (NaN or no finite score)
+    copies_only_calls: int = 0  # calls with an input not split by row: prompts grouped by their own copies only
+
+    def add(self, **counts: int) -> None:
+        """Add ``counts`` to the named counters, atomically.
+
+        Args:
+            counts: counter name → increment, e.g. ``add(groups=2, members=16)``.
+
+        Raises:
+            ValueError: a name that is not a counter of this class.
+        """
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(counts) - names)
+        if unknown:
+            raise ValueError(f"{unknown} are not ForcerStats counters; use some of {sorted(names)}")
+        with _STATS_LOCK:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
 
 
 @dataclass(frozen=True)
@@ -66,12 +98,25 @@ class QMCForcer:
         seed: 64-bit base seed of this generate call's groups (already mixed with the
             call counter and the process rank by :class:`~qmc_sampler.hf.QMCGenerate`).
         stats: counters shared with the caller.
+        prompt_keys: one key per prompt, ``rows // copies`` of them
+            (:attr:`qmc_sampler.hf.rows.PromptKeys.keys`); prompts with equal keys share a
+            group. None keys each row on its decoder ``input_ids`` at the first step —
+            all a logits processor sees, which cannot tell apart prompts that differ only
+            in encoder inputs, ``inputs_embeds`` or images: use :class:`~qmc_sampler.hf.QMCGenerate`
+            for those models.
+        copies: rows per prompt (``num_return_sequences``): prompt p is rows
+            ``p·copies … p·copies + copies − 1``. Used with ``prompt_keys``.
+
+    Raises:
+        ValueError: at the first step, ``len(prompt_keys) · copies`` is not the batch's row count.
     """
 
     method: str
     seed: int
     order: str = "id"
     stats: ForcerStats = field(default_factory=ForcerStats)
+    prompt_keys: Sequence[bytes] | None = None
+    copies: int = 1
     _members: list[MemberState] | None = None
     _placed: list[tuple[GroupSpec, tuple[int, ...]]] = field(default_factory=list)
     _first: dict[int, int] = field(default_factory=dict)
@@ -117,18 +162,30 @@ class QMCForcer:
         return forced
 
     def _place(self, input_ids: torch.LongTensor) -> list[MemberState]:
-        by_prompt: dict[bytes, list[int]] = {}
-        for row, ids in enumerate(input_ids.cpu()):
-            by_prompt.setdefault(ids.numpy().tobytes(), []).append(row)
-        members: list[MemberState | None] = [None] * input_ids.shape[0]
-        for g, rows in enumerate(by_prompt.values()):
+        rows = int(input_ids.shape[0])
+        if self.prompt_keys is None:
+            keys: Sequence[bytes] = [ids.numpy().tobytes() for ids in input_ids.cpu()]
+            copies = 1
+        else:
+            keys, copies = self.prompt_keys, self.copies
+            if len(keys) * copies != rows:
+                raise ValueError(
+                    f"prompt_keys has {len(keys)} keys and copies={copies}, which make {len(keys) * copies} rows, "
+                    f"but the batch has {rows}; pass one key per prompt and copies=num_return_sequences"
+                )
+        by_key: dict[bytes, list[int]] = {}
+        for prompt, key in enumerate(keys):
+            by_key.setdefault(key, []).append(prompt)
+        members: list[MemberState | None] = [None] * rows
+        for g, prompts in enumerate(by_key.values()):
+            blocks = [range(p * copies, (p + 1) * copies) for p in prompts]
+            order = member_order(self.method, blocks)
             seed = counter_seed(self.seed, Purpose.GROUP_SEED, g, 0)
-            spec = GroupSpec(self.method, len(rows), seed, self.order)
-            self._placed.append((spec, tuple(rows)))
-            for i, row in enumerate(rows):
+            spec = GroupSpec(self.method, len(order), seed, self.order)
+            self._placed.append((spec, tuple(order)))
+            for i, row in enumerate(order):
                 members[row] = MemberState(spec=spec, member=i)
-        self.stats.groups += len(self._placed)
-        self.stats.members += len(members)
+        self.stats.add(groups=len(self._placed), members=rows)
         return members  # type: ignore[return-value]
 
     def _leave_to_hf(self, members: list[MemberState]) -> None:
@@ -137,7 +194,7 @@ class QMCForcer:
         for m in members:
             m.step += 1
             m.fresh = True
-        self.stats.unsampleable += len(members)
+        self.stats.add(unsampleable=len(members))
         if not self._warned:
             self._warned = True
             logger.warning(
@@ -146,3 +203,55 @@ class QMCForcer:
                 len(members),
                 self.stats.unsampleable,
             )
+
+
+def member_order(method: str, blocks: Sequence[Sequence[int]]) -> list[int]:
+    """The rows of one group in member order, spreading each block's members over the design.
+
+    A group merges every copy of one prompt: ``blocks`` are its prompts' row blocks
+    (the ``num_return_sequences`` copies of a prompt given k times — TRL's GRPO gives each
+    prompt G times with one copy each). Member indices are assigned so that each block's
+    members are a spread subset of the group's codes, not a narrow interval:
+
+    * round-robin over the blocks (member b + k·j is row j of block b) when the design's
+      start codes increase with the member index — ``lattice`` with n not a power of two
+      (c_i = frac(i/n + Δ)) and ``arithmetic``. For ``lattice`` each block then holds
+      frac(Δ + b/n + j/G), j < G: a shifted lattice of size G; for ``arithmetic``,
+      G codes evenly spaced k/(n+1) apart;
+    * contiguous blocks (row order) otherwise — ``lattice`` with n = 2^m, whose
+      radical-inverse order makes every aligned block of G = n/k members a shifted
+      lattice of size G (round-robin would put each block in one interval of width 1/k);
+      ``sobol`` (aligned blocks of 2^j points of a scrambled Sobol' sequence are nets);
+      ``antithetic`` (keeps the pairs 2j, 2j+1 in one block) and ``iid``. (``stratified``
+      places members in strata by a keyed random permutation, so whichever of the two
+      applies, each block gets random strata.)
+
+    What is exact and balanced: the assignment is a bijection of the group's rows onto
+    member indices 0..n−1 fixed by the inputs alone, before any draw, so each member is
+    still an exact draw (its code or uniforms are U[0, 1) whatever its index) and the
+    group's set of codes — hence its balance, each first token ⌊n·q⌋ or ⌈n·q⌉ times for
+    ``lattice`` — is unchanged. With ``lattice`` each block is in addition balanced on
+    its own (⌊G·q⌋ or ⌈G·q⌉ times), as if it were a group of G.
+
+    Args:
+        method: the design, one of ``qmc_sampler.METHODS``.
+        blocks: the group's row blocks, each a sequence of batch row indices; round-robin
+            needs blocks of equal size (otherwise row order is kept).
+
+    Returns:
+        The group's rows, member 0 first.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    design = get_design(method)
+    flat = [row for block in blocks for row in block]
+    sizes = {len(block) for block in blocks}
+    if len(blocks) < 2 or len(sizes) != 1 or sizes == {1} or not design.carries:
+        return flat
+    n = len(flat)
+    codes = design.start_codes(np.zeros(n, dtype=np.uint64), np.full(n, n, dtype=np.int64), np.arange(n))
+    offsets = np.mod(codes - codes[0], 1.0)
+    if not np.all(np.diff(offsets) > 0):
+        return flat  # codes not in member order (radical inverse, random strata): contiguous blocks
+    return [block[j] for j in range(len(blocks[0])) for block in blocks]

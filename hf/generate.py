@@ -2,17 +2,37 @@
 
 ``generate(..., custom_generate=callable)`` does all of its usual preparation —
 input expansion for ``num_return_sequences`` (``repeat_interleave``: row r is prompt
-r // G), every logits processor and warper, stopping criteria — and then calls the
-callable instead of its decoding loop (``transformers/generation/utils.py``,
-``GenerationMixin.generate``). :class:`QMCGenerate` appends a
-:class:`~qmc_sampler.hf.forcer.QMCForcer` to that chain and runs HF's own sampling
-loop (``GenerationMixin._sample``), so everything else — caches, stopping, padding
-of finished rows, ``return_dict_in_generate`` — is HF's.
+r // G), the encoder pass of encoder-decoder models, image/video encoding, every
+logits processor and warper, stopping criteria — and then calls the callable instead
+of its decoding loop (``transformers/generation/utils.py``, ``GenerationMixin.generate``).
+:class:`QMCGenerate` appends a :class:`~qmc_sampler.hf.forcer.QMCForcer` to that chain
+and runs HF's own sampling loop (``GenerationMixin._sample``), so everything else —
+caches, stopping, padding of finished rows, ``return_dict_in_generate`` — is HF's.
+
+Groups: the prompts of a call are told apart by every per-row model input, not by
+the decoder ids alone (:func:`qmc_sampler.hf.rows.prompt_keys`: encoder inputs,
+attention masks, ``inputs_embeds``, images, …, hashed on the host once per call).
+Each prompt's ``num_return_sequences`` copies are one group; prompts with identical
+inputs given more than once (TRL's GRPO repeats each prompt G times) merge into one
+group whose member indices are spread over the copies
+(:func:`qmc_sampler.hf.forcer.member_order`). Rows of different prompts never share
+a group. An input that cannot be split by row is warned about (once per generator
+and set of inputs) and then every prompt is a group of its own copies.
+
+What ``generate`` does not pass to a callable, :class:`QMCGenerate` recovers:
+``synced_gpus`` and ``streamer`` are not forwarded to a ``custom_generate`` callable
+by transformers 5 (its ``_extract_generation_mode_kwargs`` keeps only keywords that
+``_sample`` does not declare), so they are read from the calling ``generate`` frame;
+without an explicit value ``synced_gpus`` follows transformers' own rule (DeepSpeed
+ZeRO-3 or an FSDP-managed model, and more than one process), so ZeRO-3/FSDP ranks
+keep stepping together as with plain ``generate``.
 
 Seeds: the groups of the c-th call of one :class:`QMCGenerate` are seeded from
 (its seed, c, the process's ``torch.distributed`` rank), by counter-based hashes:
 the same seed gives the same groups in the same sequence of calls, and two
 processes never share a group seed. Without a seed, a random per-object salt.
+The call number c is issued atomically, so one object may serve concurrent calls
+from several threads: no two calls get the same c.
 """
 
 from __future__ import annotations
@@ -20,19 +40,28 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
+import sys
+import threading
+import warnings
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import numpy as np
 from qmc_sampler.hf.forcer import ForcerStats, GroupRecord, QMCForcer
+from qmc_sampler.hf.rows import PromptKeys, prompt_keys
 
 from qmc_sampler.counter_rng import Purpose, counter_hash, seed_to_u64
 from qmc_sampler.designs import METHODS
 from qmc_sampler.inverse_cdf import ORDERS
+from qmc_sampler.limits import SEED_MAX, SEED_MIN, is_int
 
 __all__ = ["GenerateHandle", "QMCGenerate", "patch_generate"]
 
 logger = logging.getLogger("qmc_sampler.hf")
+
+#: Guards every QMCGenerate's call counter and warning set (held for a few instructions).
+_CALL_LOCK = threading.Lock()
 
 
 class QMCGenerate:
@@ -41,16 +70,22 @@ class QMCGenerate:
     Args:
         method: the design, one of ``qmc_sampler.METHODS`` (``iid`` = independent draws
             through the same path).
-        seed: base seed (any int); None draws a random one for this object.
+        seed: base seed, an int in ``[SEED_MIN, SEED_MAX]`` (any 64-bit word); None draws a random
+            one for this object.
         order: vocabulary order of the inverse CDF, ``"id"`` or ``"sorted"``.
+        synced_gpus: default for calls that do not pass ``generate(synced_gpus=...)``:
+            True or False, or None for transformers' own rule (ZeRO-3 or FSDP with
+            more than one process).
 
     Attributes:
-        stats: cumulative :class:`~qmc_sampler.hf.forcer.ForcerStats`.
-        last_groups: the groups of the last call (:class:`~qmc_sampler.hf.forcer.GroupRecord`).
+        stats: cumulative :class:`~qmc_sampler.hf.forcer.ForcerStats` (atomic updates).
+        last_groups: the groups of the last call to finish (in any thread)
+            (:class:`~qmc_sampler.hf.forcer.GroupRecord`).
 
     Raises:
-        ValueError: an unknown method or order (here); at ``generate`` time, a
-            non-sampling mode (greedy, beam search, assisted or contrastive decoding).
+        ValueError: an unknown method or order, a non-int seed or a non-bool
+            ``synced_gpus`` (here); at ``generate`` time, a non-sampling mode (greedy,
+            beam search, assisted or contrastive decoding).
 
     Example::
 
@@ -58,42 +93,103 @@ class QMCGenerate:
                              custom_generate=QMCGenerate("lattice", seed=0))
     """
 
-    def __init__(self, method: str = "lattice", seed: int | None = None, order: str = "id") -> None:
+    def __init__(
+        self, method: str = "lattice", seed: int | None = None, order: str = "id", synced_gpus: bool | None = None
+    ) -> None:
         if method not in METHODS:
             raise ValueError(f"method={method!r} is not a design; use one of {list(METHODS)}")
         if order not in ORDERS:
             raise ValueError(f"order={order!r} is not a vocabulary order; use one of {list(ORDERS)}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed={seed!r} is not an int; use any Python int or None")
+        if seed is not None and (not is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
+            raise ValueError(f"seed={seed!r} is not a seed; use an int between {SEED_MIN} and {SEED_MAX}, or None")
+        if synced_gpus is not None and not isinstance(synced_gpus, bool):
+            raise ValueError(f"synced_gpus={synced_gpus!r} is not a bool; use True, False or None (transformers' rule)")
         self.method = method
         self.order = order
         self.seed = seed_to_u64(secrets.randbits(63) if seed is None else seed)
+        self.synced_gpus = synced_gpus
         self.stats = ForcerStats()
         self.last_groups: list[GroupRecord] = []
+        self._calls_issued = 0
+        self._warned: set[tuple[str, ...]] = set()
 
     def __call__(
         self, model: Any, input_ids: Any, logits_processor: Any, stopping_criteria: Any, generation_config: Any,
-        **model_kwargs: Any,
+        inputs_tensor: Any = None, synced_gpus: bool | None = None, streamer: Any = None, **model_kwargs: Any,
     ) -> Any:  # fmt: skip
-        """The decoding loop ``generate`` calls: HF's ``_sample`` with the forcer appended last."""
+        """The decoding loop ``generate`` calls: HF's ``_sample`` with the forcer appended last.
+
+        Args:
+            model: the model ``generate`` runs on.
+            input_ids: ``[rows, length]`` decoder input ids (rows = prompts · num_return_sequences).
+            logits_processor, stopping_criteria, generation_config: as ``generate`` prepared them.
+            inputs_tensor: ``[prompts, …]`` the main input before expansion (``generate`` passes
+                it because this signature declares it); used to tell prompts apart.
+            synced_gpus: keep stepping until every process is done (ZeRO-3/FSDP). None: the
+                value given to the calling ``generate``, else this object's ``synced_gpus``,
+                else transformers' rule.
+            streamer: a ``BaseStreamer``; None: the one given to the calling ``generate``.
+            model_kwargs: everything else ``generate`` prepared (masks, encoder outputs, cache, …).
+
+        Returns:
+            What ``_sample`` returns (a ``[rows, length + new]`` tensor or a ``GenerateOutput``).
+
+        Raises:
+            ValueError: ``generate`` is not in sampling mode.
+        """
         from transformers import LogitsProcessorList
 
         _require_sampling(generation_config)
-        forcer = QMCForcer(self.method, self._call_seed(), self.order, self.stats)
-        self.stats.calls += 1
+        caller = _generate_arguments(sys._getframe(1))
+        synced = next((v for v in (synced_gpus, caller.get("synced_gpus"), self.synced_gpus) if v is not None), None)
+        synced = _hf_synced_gpus(model) if synced is None else bool(synced)
+        streamer = streamer if streamer is not None else caller.get("streamer")
+        copies = int(generation_config.num_return_sequences or 1)
+        keys = prompt_keys(input_ids, model_kwargs, inputs_tensor, copies, model, caller.get("kwargs"))
+        if keys.unattributed:
+            self._warn_copies_only(keys)
+        forcer = QMCForcer(self.method, self._call_seed(self._issue_call()), self.order, self.stats, keys.keys,
+                           keys.copies)  # fmt: skip
+        self.stats.add(calls=1, copies_only_calls=int(bool(keys.unattributed)))
+        extra = {} if streamer is None else {"streamer": streamer}
         result = model._sample(
             input_ids,
             logits_processor=LogitsProcessorList([*logits_processor, forcer]),
             stopping_criteria=stopping_criteria,
             generation_config=generation_config,
+            synced_gpus=synced,
+            **extra,
             **model_kwargs,
         )
         self.last_groups = forcer.groups
         return result
 
-    def _call_seed(self) -> int:
+    def _issue_call(self) -> int:
+        # Read and increment together: concurrent calls in several threads get distinct numbers.
+        with _CALL_LOCK:
+            call = self._calls_issued
+            self._calls_issued += 1
+        return call
+
+    def _call_seed(self, call: int) -> int:
         rank = _process_rank()
-        return int(counter_hash(self.seed, Purpose.GROUP_SEED, rank, self.stats.calls)[0] >> np.uint64(1))
+        return int(counter_hash(self.seed, Purpose.GROUP_SEED, rank, call)[0] >> np.uint64(1))
+
+    def _warn_copies_only(self, keys: PromptKeys) -> None:
+        names = tuple(sorted({item.split(":", 1)[0] for item in keys.unattributed}))
+        with _CALL_LOCK:
+            first = names not in self._warned
+            self._warned.add(names)
+        if first:
+            warnings.warn(
+                f"qmc-sampler: these model inputs cannot be split by row: {'; '.join(keys.unattributed)}. "
+                f"Rows were grouped by num_return_sequences copies only: each prompt's {keys.copies} copies form "
+                "one group, and a prompt given more than once (as TRL's GRPO repeats prompts) is not merged with "
+                "its repeats. Every member is still an exact draw. Counted in stats.copies_only_calls; warned once "
+                "per generator and set of inputs.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _require_sampling(generation_config: Any) -> None:
@@ -106,6 +202,47 @@ def _require_sampling(generation_config: Any) -> None:
             f"(do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}); use "
             "do_sample=True with num_beams=1 and no assistant, or call generate without custom_generate"
         )
+
+
+def _generate_arguments(frame: FrameType | None) -> dict[str, Any]:
+    """``synced_gpus``, ``streamer`` and the model ``kwargs`` as given to transformers' ``generate``,
+    if ``frame`` is its call.
+
+    transformers 5 does not forward the first two to a ``custom_generate`` callable, and
+    hands it the model inputs only after encoding them; all three are the ``generate``
+    frame's own parameters. Empty when the caller is anything else.
+    """
+    if (
+        frame is None
+        or frame.f_code.co_name != "generate"
+        or not str(frame.f_globals.get("__name__", "")).startswith("transformers.generation")
+    ):
+        return {}
+    local = frame.f_locals
+    found = {name: local.get(name) for name in ("synced_gpus", "streamer")}
+    if isinstance(local.get("kwargs"), dict):
+        found["kwargs"] = local["kwargs"]
+    return found
+
+
+def _hf_synced_gpus(model: Any) -> bool:
+    """transformers' default ``synced_gpus``: ZeRO-3 or an FSDP-managed model, and more than one process."""
+    import transformers.integrations.deepspeed as deepspeed
+
+    try:
+        from transformers.distributed import fsdp
+    except ImportError:  # older layouts
+        from transformers.integrations import fsdp  # type: ignore[no-redef]
+    return bool((deepspeed.is_deepspeed_zero3_enabled() or fsdp.is_fsdp_managed_module(model)) and _world_size() > 1)
+
+
+def _world_size() -> int:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    except (ImportError, RuntimeError):
+        return 1
 
 
 def _process_rank() -> int:
@@ -133,7 +270,9 @@ class GenerateHandle:
             self.model.generate = self.original
 
 
-def patch_generate(model: Any, method: str = "lattice", seed: int | None = None, order: str = "id") -> GenerateHandle:
+def patch_generate(
+    model: Any, method: str = "lattice", seed: int | None = None, order: str = "id", synced_gpus: bool | None = None
+) -> GenerateHandle:
     """Make every sampling ``model.generate(...)`` call produce correlated groups.
 
     Meant for code that calls ``generate`` itself and offers no hook, such as TRL's
@@ -144,17 +283,19 @@ def patch_generate(model: Any, method: str = "lattice", seed: int | None = None,
 
     Args:
         model: a transformers model (patched in place, on the instance).
-        method, seed, order: as :class:`QMCGenerate`.
+        method, seed, order, synced_gpus: as :class:`QMCGenerate` (a ``synced_gpus`` given to
+            ``generate`` itself wins).
 
     Returns:
         A :class:`GenerateHandle`; ``handle.restore()`` undoes the patch.
 
     Raises:
-        ValueError: an unknown method or order, or a model already patched.
+        ValueError: an unknown method or order, a non-int seed, a non-bool ``synced_gpus``,
+            or a model already patched.
     """
     if getattr(model.generate, "_qmc_generator", None) is not None:
         raise ValueError("this model's generate is already patched by qmc-sampler; restore() the first patch")
-    generator = QMCGenerate(method, seed, order)
+    generator = QMCGenerate(method, seed, order, synced_gpus)
     original = model.__dict__.get("generate")
     bound = model.generate
 

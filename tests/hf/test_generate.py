@@ -178,8 +178,10 @@ def test_bad_arguments_name_the_parameter():
         QMCGenerate("lattic")
     with pytest.raises(ValueError, match="order='random' is not a vocabulary order"):
         QMCGenerate("lattice", order="random")
-    with pytest.raises(ValueError, match="seed='1' is not an int"):
+    with pytest.raises(ValueError, match="seed='1' is not a seed; use an int between -9223372036854775808 and"):
         QMCGenerate("lattice", seed="1")
+    with pytest.raises(ValueError, match=r"seed=1180591620717411303424 is not a seed; use an int between .* or None"):
+        QMCGenerate("lattice", seed=2**70)
 
 
 def test_patch_generate_correlates_sampling_calls_and_passes_the_others_through(hf_model, tokenizer):
