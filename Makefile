@@ -36,7 +36,9 @@ test: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m qmc_sampler.eval.main_job
 
-# On a CUDA machine: every CUDA-only test and the GPU benchmarks, one summary table (own .venv-gpu).
+# On a CUDA machine, with the python3 there (torch with CUDA; no venv, no network): the CUDA tests
+# that need no vLLM, the no-host-sync checks, the GPU benchmarks, one table (gpu-check/summary.txt);
+# vLLM's steps only where vLLM is installed. QMC_GPU_CHECK_DRY_RUN=1: the same on the CPU (stand-ins).
 gpu-check:
 	bash benchmarks/gpu_check.sh
 

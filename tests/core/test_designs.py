@@ -88,7 +88,6 @@ def test_stratified_puts_one_member_in_each_stratum() -> None:
         np.testing.assert_array_equal(np.sort(np.floor(codes * n)), np.arange(n))
 
 
-
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4099])
 def test_the_stratum_permutation_is_a_bijection(n: int) -> None:
     for seed in (0, 8, 2**64 - 1):
