@@ -16,6 +16,7 @@ which is what makes every member an exact draw from the model
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC
 from typing import ClassVar
 
@@ -163,6 +164,9 @@ def stratum_of_member(seeds: U64, ns: I64, members: I64) -> I64:
     seeds = np.atleast_1d(np.asarray(seeds, dtype=np.uint64))
     ns = np.atleast_1d(np.asarray(ns, dtype=np.int64))
     members = np.atleast_1d(np.asarray(members, dtype=np.int64))
+    if np.any((ns < 1) | (ns > MAX_GROUP_SIZE)) or np.any((members < 0) | (members >= ns)):
+        # The cycle walk returns to [0, n) only from a point in it: refuse, never loop.
+        raise ValueError(f"stratum_of_member needs 1 <= n <= {MAX_GROUP_SIZE} and 0 <= member < n")
     bits = np.ceil(np.log2(np.maximum(ns, 2).astype(np.float64))).astype(np.int64)  # exact below 2^52
     half = ((bits + 1) // 2).astype(np.uint64)
     n_u = ns.astype(np.uint64)
@@ -171,8 +175,7 @@ def stratum_of_member(seeds: U64, ns: I64, members: I64) -> I64:
     while walking.any():
         x[walking] = _feistel(seeds[walking], x[walking], half[walking])
         walking = x >= n_u
-    shift = _below(counter_hash(seeds, Purpose.STRATUM_SHIFT, 0, 0), n_u)
-    return ((x + shift) % n_u).astype(np.int64)
+    return ((x + _uniform_below(seeds, n_u)) % n_u).astype(np.int64)
 
 
 def _feistel(seeds: U64, x: U64, half: U64) -> U64:
@@ -185,11 +188,22 @@ def _feistel(seeds: U64, x: U64, half: U64) -> U64:
     return (left << half) | right
 
 
-def _below(h: U64, n: U64) -> U64:
-    # floor(h · n / 2^64) for n <= 2^32 without overflow: a uniform 64-bit h becomes an integer
-    # in [0, n) with relative bias at most n / 2^64 (Lemire 2019, "Fast random integer generation").
-    hi, lo = h >> np.uint64(32), h & _U32
-    return (hi * n + ((lo * n) >> np.uint64(32))) >> np.uint64(32)
+def _uniform_below(seeds: U64, n: U64) -> U64:
+    # The group's shift s, exactly uniform on [0, n) (n <= 2^32): Lemire's multiply-shift of a
+    # 64-bit counter hash, h·n = s·2^64 + low, rejecting low < 2^64 mod n and hashing again with
+    # the next counter (Lemire 2019, "Fast random integer generation in an interval", alg. 5).
+    out = np.empty(n.shape, dtype=np.uint64)
+    todo = np.arange(n.size)
+    threshold = (np.uint64(0) - n) % n  # 2^64 mod n
+    for attempt in itertools.count():
+        h = counter_hash(seeds[todo], Purpose.STRATUM_SHIFT, 0, attempt)
+        low = h * n[todo]  # the product's low 64 bits (uint64 wraps)
+        hi, lo = h >> np.uint64(32), h & _U32
+        out[todo] = (hi * n[todo] + ((lo * n[todo]) >> np.uint64(32))) >> np.uint64(32)  # its high 64 bits
+        todo = todo[low < threshold[todo]]  # probability below n / 2^64 per draw
+        if todo.size == 0:
+            return out
+    raise AssertionError("unreachable")
 
 
 class StratifiedDesign(GroupDesign):

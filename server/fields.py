@@ -88,6 +88,9 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         xargs = {}
     if not isinstance(xargs, dict):
         raise FieldError("vllm_xargs must be an object of strings, numbers or lists of them", "vllm_xargs")
+    # As vLLM's request model parses vllm_xargs (JSON true/false become 1/0), so that a body means
+    # the same here as on vllm serve.
+    xargs = {k: int(v) if isinstance(v, bool) else v for k, v in xargs.items()}
     try:
         check_extra_args(xargs)
     except ValueError as e:

@@ -29,7 +29,7 @@ from qmc_sampler.server.admission import MemberLimiter
 from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
 from starlette.datastructures import Headers
-from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
 __all__ = ["QMCServeMiddleware"]
 
@@ -65,7 +65,8 @@ class _Server:
     rotation: itertools.count = field(default_factory=itertools.count)
 
     def authorized(self, scope: dict[str, Any]) -> bool:
-        """vLLM's own decision for this request's ``Authorization`` header (its check, reused)."""
+        """vLLM's own decision for this request's ``Authorization`` header (its check, reused);
+        vLLM asks for it on the paths under its ``GUARDED_PREFIX`` only (not ``/invocations``)."""
         return self.auth is None or self.auth.verify_token(Headers(scope=scope))
 
 
@@ -96,7 +97,7 @@ class QMCServeMiddleware:
         if scope["method"] != "POST" or not (mapped or path in OTHER_SAMPLING_ROUTES):
             await self.app(scope, receive, send)
             return
-        if not server.authorized(scope):
+        if path.startswith(GUARDED_PREFIX) and not server.authorized(scope):
             METRICS.rejected.labels(RejectedBy.AUTH).inc()
             await self.app(scope, receive, send)  # vLLM's key check answers 401
             return
@@ -123,7 +124,7 @@ class QMCServeMiddleware:
             return
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # a nesting too deep for Python is vLLM's 400 too
             body = None
         if not isinstance(body, dict):  # vLLM's own 400
             await self.app(scope, _replay(raw, receive), send)
@@ -143,7 +144,11 @@ class QMCServeMiddleware:
             await self.app(scope, _replay(raw, receive), send)
             return
         try:
-            plan = plan_request(body, chat=chat, default_sampler=server.args.sampler, max_n=server.args.max_n)
+            try:
+                plan = plan_request(body, chat=chat, default_sampler=server.args.sampler, max_n=server.args.max_n)
+                payload = json.dumps(plan.body).encode()
+            except RecursionError:  # parsed at the edge of Python's depth, not one level deeper
+                raise FieldError("the request body is nested too deeply", None) from None
             await server.limiter.acquire(plan.members)
         except FieldError as e:
             await _refuse(send, e, RejectedBy.CAPACITY if e.status == 429 else RejectedBy.INVALID)
@@ -152,7 +157,6 @@ class QMCServeMiddleware:
         METRICS.in_flight.inc(plan.members)
         reply = _Reply(send, plan)
         try:
-            payload = json.dumps(plan.body).encode()
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
             headers.append((b"content-length", str(len(payload)).encode()))
             rank = self._engine_for(scope, plan)

@@ -113,6 +113,7 @@ class MRV2Slots:
         self.registry = registry
         self.req_states = req_states
         self.slots: dict[int, Member] = {}
+        self.params: dict[int, Any] = {}  # slot → its request's params (to admit it again, see ``active``)
         self.away: set[int] = set()  # slots whose member is parked (not in the last batch)
         self._arriving: list[tuple[int, Any]] = []
 
@@ -140,8 +141,10 @@ class MRV2Slots:
             for old, m in list(self.slots.items()):  # a resumed member leaves the slot it was away from
                 if m is member:
                     del self.slots[old]
+                    self.params.pop(old, None)
                     self.away.discard(old)
             self.slots[slot] = member
+            self.params[slot] = params
 
     def active(self, ctx: Any, num_rows: int) -> tuple[list[int], list[Member]]:
         """The rows of this step with members, each synced to its accepted token count.
@@ -173,9 +176,13 @@ class MRV2Slots:
                 continue
             if slot in self.away:
                 self.away.discard(slot)
-                if not self.registry.reclaim(member):  # taken by a request that came back elsewhere
-                    del self.slots[slot]
-                    continue
+                if not self.registry.reclaim(member):
+                    # Dropped while away (a parking bound, or its auto group closed): the request
+                    # is still running, so it is admitted again: a new member on fresh uniforms,
+                    # counted as lost (a member taken by a resumed request already left this slot).
+                    member = self._admit_again(slot, int(positions[row]) + 1)
+                    if member is None:
+                        continue
             if int(positions[row]) + 1 < int(prefill_len[slot]):
                 continue  # a partial (re)fill chunk: its sample is discarded
             row_ids.append(row)
@@ -186,7 +193,21 @@ class MRV2Slots:
         self.registry.sync_all(members, accepted, ctx.input_ids[rows])
         return row_ids, members
 
+    def _admit_again(self, slot: int, length: int) -> Member | None:
+        """Admit the running request in ``slot`` (``length`` tokens so far) as a new member."""
+        params = self.params[slot]
+        prompt_len = int(self.req_states.prompt_len.np[slot])
+        tokens = self.req_states.all_token_ids.gpu[slot, :length].tolist()  # rare: only after a drop
+        member = admit_params(self.registry, params, tokens[:prompt_len], tokens[prompt_len:], None)
+        if member is None:
+            del self.slots[slot]
+            self.params.pop(slot, None)
+        else:
+            self.slots[slot] = member
+        return member
+
     def _release(self, slot: int) -> None:
+        self.params.pop(slot, None)
         old = self.slots.pop(slot, None)
         if old is not None and slot not in self.away:
             self.registry.park(old)

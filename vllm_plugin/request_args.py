@@ -150,7 +150,7 @@ class EngineFacts:
 
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("qmc_request_id", default=None)
-_COMPLETION_ITEM = re.compile(r"^cmpl-.*-(\d+)$", re.DOTALL)
+_COMPLETION_ITEM = re.compile(r"^cmpl-.*-(\d{1,9})$", re.DOTALL)  # prompts per request: far fewer
 
 
 @contextlib.contextmanager
@@ -220,7 +220,7 @@ def check_extra_args(extra: dict[str, Any]) -> None:
     if (group is None) != (n is None):
         raise ValueError("vllm_xargs 'qmc_group' and 'qmc_n' go together: give both or neither")
     auto = extra.get("qmc_auto_group")
-    if auto is not None and (not is_int(auto) or auto not in (0, 1)):  # JSON booleans arrive as 0/1
+    if auto is not None and (not isinstance(auto, int) or auto not in (0, 1)):  # False/True are 0/1 here
         raise ValueError(f"vllm_xargs 'qmc_auto_group'={auto!r} must be 0 or 1")
 
 

@@ -143,3 +143,10 @@ def test_sobol_with_n_not_a_power_of_two_warns() -> None:
 def test_unknown_method_names_the_allowed_designs() -> None:
     with pytest.raises(ValueError, match=r"method='lattic' is not a design; use one of .*'lattice'"):
         get_design("lattic")
+
+
+@pytest.mark.parametrize(("n", "member"), [(8, 8), (3, -1), (1, 1), (0, 0), (2**32 + 1, 0)])
+def test_a_stratum_outside_the_group_is_refused_not_searched_forever(n, member):
+    # The cycle walk only returns to [0, n) from a member in it.
+    with pytest.raises(ValueError, match=r"needs 1 <= n <= 4294967296 and 0 <= member < n"):
+        stratum_of_member(np.array([1], np.uint64), np.array([n]), np.array([member]))

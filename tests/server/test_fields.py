@@ -94,3 +94,11 @@ def test_the_largest_group_is_accepted_with_its_bound_named_in_the_error():
     assert biggest.body["vllm_xargs"]["qmc_n"] == 2**32
     with pytest.raises(FieldError, match=r"sampler_group_size=4294967297 must be an integer between 1 and 4294967296"):
         plan({"prompt": "x", "sampler_seed": 3, "sampler_group_size": 2**32 + 1})
+
+
+def test_json_booleans_in_vllm_xargs_mean_what_vllm_parses_them_to():
+    # vLLM's request model turns true/false in vllm_xargs into 1/0; so does qmc-serve.
+    off = plan({"prompt": "x", "vllm_xargs": {"qmc_auto_group": False}})
+    assert off.body["vllm_xargs"]["qmc_auto_group"] == 0
+    seeded = plan({"prompt": "x", "n": 2, "vllm_xargs": {"qmc_seed": True}})
+    assert seeded.seed == 1

@@ -342,6 +342,25 @@ def test_invocations_serve_completion_and_chat_bodies_with_their_design(server):
         assert first_tokens(sagemaker) == first_tokens(completion(server, body, route))  # the same group
 
 
+def test_invocations_without_a_key_are_served_as_vllm_serves_them_with_their_design(server):
+    # vLLM guards /v1, /v2, /inference and /cohere only (SageMaker authenticates /invocations
+    # itself): qmc-serve decides as vLLM does, and what vLLM serves gets its design.
+    body = {"prompt": PROMPT, "n": 2, "max_tokens": 1, "sampler": "stratified", "sampler_seed": 4}
+    no_key = {"Content-Type": "application/json"}
+    response = completion(server, body, "/invocations", headers=no_key)
+    assert response.status_code == 200, response.text
+    assert (response.json()["sampler"], response.json()["sampler_seed"]) == ("stratified", 4)
+    refused = completion(server, body | {"sampler_group_size": 2**40}, "/invocations", headers=no_key)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampler_group_size"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses", "/invocations"])
+def test_a_body_nested_deeper_than_python_parses_is_a_400(server, path):
+    response = httpx.post(server["url"] + path, content=b"[" * 100_000, headers=auth(), timeout=60)
+    assert response.status_code == 400, response.text
+    assert completion(server, {"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "path",
     ["/v1/messages", "/v1/responses", "/v1/chat/completions/batch", "/cohere/v2/chat", "/inference/v1/generate"],

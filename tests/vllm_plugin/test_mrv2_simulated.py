@@ -91,6 +91,7 @@ class SimulatedMRV2Runner:
         self.preempted: dict[str, dict] = {}
         self.to_remove: set[str] = set()
         self.outputs: dict[str, list[int]] = {}
+        self.unscheduled: set[str] = set()  # running requests left out of the next step's batch
 
     # The front end: validate_params runs once per request, before the n > 1 fan-out.
     def submit(self, req_id, prompt, params, n=1):
@@ -129,7 +130,8 @@ class SimulatedMRV2Runner:
         if not self.running:
             return
         # schedule: a chunk of the (re)fill, or one decode token; rows in shuffled order
-        batch = list(self.running)
+        batch = [req_id for req_id in self.running if req_id not in self.unscheduled]
+        self.unscheduled = set()
         self.rng.shuffle(batch)
         slots, positions, rows = [], [], []
         for req_id in batch:
@@ -169,10 +171,12 @@ class SimulatedMRV2Runner:
             if len(self.outputs[req_id]) >= req["params"].max_tokens:
                 self.to_remove.add(req_id)
 
-    def run(self, preempt_at=(), resume_after=3, max_steps=1000):
-        """Step until done; preempt the given (step, request) pairs and resume them later."""
+    def run(self, preempt_at=(), resume_after=3, max_steps=1000, unscheduled_at=()):
+        """Step until done; preempt the given (step, request) pairs and resume them later; leave the
+        ``unscheduled_at`` (step, request) pairs out of that step's batch (their slots stay)."""
         resume_at: dict[int, list[str]] = {}
         for step in range(max_steps):
+            self.unscheduled |= {req_id for at, req_id in unscheduled_at if at == step}
             for at, req_id in preempt_at:
                 if at == step and req_id in self.running:
                     self.preempt(req_id)
@@ -224,6 +228,23 @@ def test_preempted_children_sharing_one_params_object_resume_their_own_state(cpu
     assert group(runner, "g") == reference(hf_model, "lattice", 11, 10)
     stats = runner.processor.stats()
     assert stats["restored"] >= 4 and stats["lost"] == 0 and stats["overflow"] == 0, stats
+
+
+def test_a_member_dropped_while_its_request_was_unscheduled_goes_on_fresh_and_counted(
+    cpu_mrv2_buffers, vllm_config, hf_model
+):
+    # MRV2 parks a member whose request a step leaves out; a parking bound can drop it before
+    # the slot returns. The request is still running: it must get a member again (fresh
+    # uniforms, counted as lost), not go on with the engine's own sampler unnoticed.
+    runner = SimulatedMRV2Runner(vllm_config, hf_model, chunk=8)
+    runner.processor.registry.max_parked_per_key = 0  # every park drops at once
+    params = SamplingParams(n=N, max_tokens=6, extra_args={"qmc_method": "lattice", "qmc_seed": 4})
+    runner.submit("g", PROMPT, params, n=N)
+    runner.run(unscheduled_at=[(3, "2_g"), (4, "5_g")])
+    assert all(len(tokens) == 6 for tokens in group(runner, "g"))
+    stats = runner.processor.stats()
+    assert stats["lost"] == 2 and stats["parked_dropped"] >= 2, stats
+    assert stats["admitted"] == N + 2, stats  # the two came back as new members
 
 
 def test_slots_are_reused_and_groups_stay_apart(cpu_mrv2_buffers, vllm_config, hf_model):

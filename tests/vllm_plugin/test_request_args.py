@@ -247,3 +247,8 @@ def test_each_prompt_of_a_multi_prompt_completion_is_a_group_of_its_own(extra):
     assert seeds[1] == prompt_seed(seeds[0], 1) and seeds[2] == prompt_seed(seeds[0], 2)
     if "qmc_seed" in extra:
         assert seeds[0] == 7  # prompt 0 keeps the request's seed: one prompt alone is unchanged
+
+
+def test_auto_grouping_can_be_switched_off_with_a_bool_offline():
+    request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "lattice", "qmc_auto_group": False}))
+    assert request.kind == REQUEST
