@@ -111,13 +111,30 @@ def edge(**fields):
 
 
 def send(url, route, body):
-    """POST one body; the status, and for a stream the worst status of an error event in it."""
+    """POST one body: the status (for a stream, the worst status of an error event in it) and the
+    ``sampler`` the reply reports (a whole reply's, or every chunk's if they agree; "?" if not)."""
     with httpx.Client(timeout=120) as client, client.stream("POST", url + route, json=body) as response:
-        worst = response.status_code
-        for line in response.iter_lines():
-            if line.startswith('data: {"error"'):
-                worst = max(worst, int(json.loads(line[6:])["error"].get("code") or 500))
-        return worst
+        worst, reported = response.status_code, set()
+        streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+        lines = list(response.iter_lines())
+    for line in lines if streamed else ():
+        if line.startswith('data: {"error"'):
+            worst = max(worst, int(json.loads(line[6:])["error"].get("code") or 500))
+        elif line.startswith("data: {"):
+            reported.add(json.loads(line[6:]).get("sampler"))
+    if worst == 200 and not streamed:
+        reported = {json.loads("\n".join(lines)).get("sampler")}
+    return worst, (reported.pop() if len(reported) == 1 else "?")
+
+
+def asked_design(body):
+    """The design a 200 must report: the body's ``sampler`` (greedy bodies report none), or None
+    where the body leaves it to other fields."""
+    sampler, temperature = body.get("sampler"), body.get("temperature")
+    if not isinstance(sampler, str) or body.get("vllm_xargs"):
+        return None
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < 1e-5
+    return "greedy" if greedy else sampler
 
 
 def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
@@ -134,9 +151,12 @@ def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
     @example(edge(vllm_xargs={"qmc_method": "lattice", "qmc_group": "g" * 10_000, "qmc_n": 2}))
     def one(request):
         route, body = request
-        status = send(url, route, body)
+        status, reported = send(url, route, body)
         statuses[status] = statuses.get(status, 0) + 1
         assert status == 200 or 400 <= status < 500, (status, route, body)
+        asked = asked_design(body)
+        if status == 200 and asked is not None:  # never less than asked without a word
+            assert reported == (None if asked == "greedy" else asked), (reported, route, body)
 
     one()
     assert statuses.get(200, 0) >= EXAMPLES // 10 and any(400 <= s < 500 for s in statuses), statuses
