@@ -157,9 +157,17 @@ def test_admission_hashes_the_history_once_however_many_are_parked(monkeypatch):
 
 
 def test_parked_members_are_bounded_per_group_key_oldest_first(caplog):
-    reg = MemberRegistry(max_parked_per_key=3)
-    hot = [parked_at(reg, [t], 1)[0] for t in (10, 11, 12, 13, 14)]
-    other = parked_at(reg, [10], 2, request("req:other"))
+    # vLLM's logging setup stops "vllm.*" loggers from propagating to the root logger (and other
+    # imports in a session can raise the root level): capture on the plugin's logger itself.
+    logger = logging.getLogger("vllm.qmc_sampler")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.qmc_sampler"):
+            reg = MemberRegistry(max_parked_per_key=3)
+            hot = [parked_at(reg, [t], 1)[0] for t in (10, 11, 12, 13, 14)]
+            other = parked_at(reg, [10], 2, request("req:other"))
+    finally:
+        logger.removeHandler(caplog.handler)
     assert reg.parked() == 5 and reg.stats.parked_dropped == 2
     assert "dropped parked member" in caplog.text and "max_parked_per_key" in caplog.text
     for m, t in zip(hot[2:], (12, 13, 14), strict=True):  # the hot key keeps its newest three
