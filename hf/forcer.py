@@ -14,20 +14,35 @@ the distribution HF would sample from. It
    merged group's member indices are spread over its prompts' copies
    (:func:`member_order`);
 2. draws each row's token by inverse CDF of ``softmax(scores)`` with the member's
-   uniform (:func:`qmc_sampler.group.draw_members`), carries the residual
-   (:func:`qmc_sampler.group.carry_member`) — HF never discards a draw; and
+   uniform and carries the residual — HF never discards a draw; and
 3. returns a row with 0 at that token and ``-inf`` elsewhere: ``softmax`` makes it
    one-hot and ``multinomial`` returns that token. Each member is therefore an exact
    draw from HF's own processed distribution (``../shared/design/qmc-math.md`` §1, §3).
 
-A row with NaN scores or no finite score is left as it is (HF then does what it
-does without the forcer), counted in :attr:`ForcerStats.unsampleable` and warned
-once. Returned ``scores`` (``output_scores=True``) are the one-hot rows;
-``output_logits=True`` gives the model's raw logits, unchanged.
+No host reads after the first step. The members' carried state (code, prefix width,
+fresh flag, the step's draw) lives on the scores' device, in the vLLM plugin's
+:class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`: each row is admitted at the
+first step as a member of an *explicit* group (the forcer names the group, its size,
+seed and the member index), and every step is that registry's draw cycle — the host
+supplies only the counter-based uniforms (they depend on seed, member and step), the
+device draws, forces and carries. The first step may read the prompts (placement is a
+host decision: a forcer without ``prompt_keys`` hashes the decoder ids) and moves the
+registry's rows to the device; a step after it reads nothing back.
+
+A row without a finite maximum (NaN scores, a ``+inf``, or every score ``-inf``) is
+left as it is (HF then does what it does without the forcer) and its member continues
+with fresh uniforms, whatever its design (a carried code no longer describes its prefix).
+Such rows are counted on the device; the counts reach :attr:`ForcerStats.unsampleable`
+— warned once — and each member's first token reaches :attr:`GroupRecord.first_tokens`
+in one transfer, when the call is done (:meth:`QMCForcer.finish`, which
+:class:`~qmc_sampler.hf.QMCGenerate` calls once at the end of ``generate``). Returned
+``scores`` (``output_scores=True``) are the one-hot rows; ``output_logits=True`` gives the
+model's raw logits, unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -35,10 +50,12 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
+from qmc_sampler.vllm_plugin.registry import DevicePool, Member, MemberRegistry, RowSampling, upload
+from qmc_sampler.vllm_plugin.request_args import EXPLICIT, QMCRequest
 
 from qmc_sampler.counter_rng import Purpose, counter_seed
 from qmc_sampler.designs import get_design
-from qmc_sampler.group import GroupSpec, MemberState, carry_member, draw_members
+from qmc_sampler.group import GroupSpec
 
 __all__ = ["ForcerStats", "GroupRecord", "QMCForcer", "member_order"]
 
@@ -46,13 +63,17 @@ logger = logging.getLogger("qmc_sampler.hf")
 
 _STATS_LOCK = threading.Lock()
 
+#: HF's scores are already processed (temperature, top-k, …): the draw takes ``softmax(scores)`` as it is.
+_AS_GIVEN = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
 
 @dataclass
 class ForcerStats:
     """What the forcers of one :class:`~qmc_sampler.hf.QMCGenerate` did (cumulative).
 
     Updated through :meth:`add`, which is atomic, so one object may be shared by
-    concurrent ``generate`` calls in several threads.
+    concurrent ``generate`` calls in several threads. ``unsampleable`` is counted on
+    the device and added when a call ends (:meth:`QMCForcer.finish`).
     """
 
     calls: int = 0  # generate calls served
@@ -90,20 +111,47 @@ class GroupRecord:
 
 
 @dataclass
+class _DeviceCarry:
+    """One generate call's members and what the device keeps of them (made at the first step).
+
+    Attributes:
+        registry: the members' :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`; its
+            pool (code, width, fresh flag, the step's draw) lives on the scores' device.
+        members: batch row → its member.
+        slots: ``[rows] int64`` on the device, each row's pool row.
+        ones: ``[rows] float32`` on the device, the draw's temperature (HF's scores are processed).
+        left: ``[rows] int64`` on the device, each row's steps left to transformers.
+        first_tokens: ``[rows] int64`` on the device, the first step's tokens (-1: left to
+            transformers); None before the first step and once read back.
+    """
+
+    registry: MemberRegistry
+    members: list[Member]
+    slots: torch.Tensor
+    ones: torch.Tensor
+    left: torch.Tensor
+    first_tokens: torch.Tensor | None = None
+
+
+@dataclass
 class QMCForcer:
     """Draw each row's token from its group's design (see the module docstring).
+
+    Every step after the first runs on the scores' device without reading anything back;
+    what the host needs of the device's record — rows left to transformers, each member's
+    first token — comes back in one transfer in :meth:`finish` (also run by :attr:`groups`).
 
     Args:
         method: the design (``qmc_sampler.METHODS``); order: ``"id"`` or ``"sorted"``.
         seed: 64-bit base seed of this generate call's groups (already mixed with the
             call counter and the process rank by :class:`~qmc_sampler.hf.QMCGenerate`).
-        stats: counters shared with the caller.
+        stats: counters shared with the caller (``unsampleable`` is added by :meth:`finish`).
         prompt_keys: one key per prompt, ``rows // copies`` of them
             (:attr:`qmc_sampler.hf.rows.PromptKeys.keys`); prompts with equal keys share a
             group. None keys each row on its decoder ``input_ids`` at the first step —
             all a logits processor sees, which cannot tell apart prompts that differ only
             in encoder inputs, ``inputs_embeds`` or images: use :class:`~qmc_sampler.hf.QMCGenerate`
-            for those models.
+            for those models. (This reads the ids back once, at the first step.)
         copies: rows per prompt (``num_return_sequences``): prompt p is rows
             ``p·copies … p·copies + copies − 1``. Used with ``prompt_keys``.
 
@@ -117,51 +165,102 @@ class QMCForcer:
     stats: ForcerStats = field(default_factory=ForcerStats)
     prompt_keys: Sequence[bytes] | None = None
     copies: int = 1
-    _members: list[MemberState] | None = None
+    _carry: _DeviceCarry | None = field(default=None, repr=False)  # set at the first step
     _placed: list[tuple[GroupSpec, tuple[int, ...]]] = field(default_factory=list)
     _first: dict[int, int] = field(default_factory=dict)
+    _left_folded: int = 0
     _warned: bool = False
 
     @property
     def groups(self) -> list[GroupRecord]:
-        """The groups formed at the first step, with their members' first tokens."""
+        """The groups formed at the first step, with their members' first tokens (runs :meth:`finish`)."""
+        self.finish()
         return [GroupRecord(spec, rows, tuple(self._first.get(r, -1) for r in rows)) for spec, rows in self._placed]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """Impose each row's drawn token.
 
+        Reads nothing back from the device after the first step (the first places the rows).
+
         Args:
             input_ids: ``[rows, length] int64``, the prompt (left-padded) and the tokens so far.
-            scores: ``[rows, vocab] float32``, HF's processed scores for the next token.
+            scores: ``[rows, vocab] float``, HF's processed scores for the next token.
 
         Returns:
-            ``scores`` with every entry but the drawn token of each drawable row set to ``-inf``.
-        """
-        first_step = self._members is None
-        if first_step:
-            self._members = self._place(input_ids)
-        drawable = torch.isfinite(scores.amax(dim=-1))
-        rows = torch.nonzero(drawable).squeeze(1).tolist()
-        if len(rows) < scores.shape[0]:
-            self._leave_to_hf([m for m, ok in zip(self._members, drawable.tolist(), strict=True) if not ok])
-        if not rows:
-            return scores
-        members = [self._members[r] for r in rows]
-        index = torch.tensor(rows, device=scores.device)
-        ones = torch.ones(len(rows))
-        draw, uniforms = draw_members(scores.index_select(0, index), members, temperature=ones)
-        starts, probs = draw.starts.tolist(), draw.probs.tolist()
-        for j, m in enumerate(members):
-            carry_member(m, float(uniforms[j]), starts[j], probs[j])
-        if first_step:
-            self._first = dict(zip(rows, draw.tokens.tolist(), strict=True))
-        forced = torch.full_like(scores, float("-inf"))
-        forced[index, draw.tokens.to(scores.device)] = 0.0
-        keep = ~drawable
-        forced[keep] = scores[keep]
-        return forced
+            ``scores`` with every entry but the drawn token of each drawable row set to ``-inf``
+            (a row without a finite maximum is returned as it is).
 
-    def _place(self, input_ids: torch.LongTensor) -> list[MemberState]:
+        Raises:
+            ValueError: at the first step, ``len(prompt_keys) · copies`` is not the batch's row count.
+        """
+        first_step = self._carry is None
+        carry = self._place(input_ids, scores.device) if self._carry is None else self._carry
+        registry, slots = carry.registry, carry.slots
+        # A row without a finite maximum (NaN, all -inf, +inf) is HF's: NaN makes the kernel leave it (token -1).
+        drawable = torch.isfinite(scores.amax(dim=-1))
+        draw = registry.draw(torch.where(drawable.unsqueeze(1), scores, float("nan")), carry.members, carry.ones,
+                             None, None, None, slots)  # fmt: skip
+        drawn = draw.tokens >= 0
+        # HF chooses a left row's token: whatever the design, its member continues with fresh uniforms
+        # of its own (still exact). The registry's commit already makes a code design fresh there.
+        pool = registry.pool
+        pool.fresh[slots] = pool.fresh[slots] | ~drawn
+        for m in carry.members:
+            registry.sync(m, m.state.step + 1, None)  # HF takes the forced token: the device knows it
+        carry.left += (~drawn).long()
+        if first_step:
+            carry.first_tokens = draw.tokens
+        forced = torch.full_like(scores, float("-inf")).scatter_(1, draw.tokens.clamp(min=0).unsqueeze(1), 0.0)
+        return torch.where(drawn.unsqueeze(1), forced, scores)
+
+    def finish(self) -> None:
+        """Bring the device's record of the call to the host, in one transfer (a sync on a GPU).
+
+        Adds the rows left to transformers since the last ``finish`` to
+        :attr:`ForcerStats.unsampleable` (warning once per forcer if there were any) and
+        records each member's first token for :attr:`groups`. Run it after the last step;
+        :class:`~qmc_sampler.hf.QMCGenerate` does, once per ``generate`` call. Does nothing
+        before the first step.
+        """
+        carry = self._carry
+        if carry is None:
+            return
+        first = carry.first_tokens
+        host = (carry.left if first is None else torch.cat([carry.left, first])).tolist()  # the one transfer
+        rows = len(carry.members)
+        if first is not None:
+            self._first = dict(enumerate(host[rows:]))  # -1: left to transformers
+            carry.first_tokens = None
+        left = host[:rows]
+        total = sum(left)
+        new, self._left_folded = total - self._left_folded, total
+        if not new:
+            return
+        self.stats.add(unsampleable=new)
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "qmc-sampler: %d row-step(s) of %d row(s) had NaN scores or no finite score; transformers sampled "
+                "them itself (as without qmc-sampler) and those members continued with fresh uniforms. Rows left "
+                "so far: %d",
+                total,
+                sum(1 for n in left if n),
+                self.stats.unsampleable,
+            )
+
+    def _place(self, input_ids: torch.LongTensor, device: torch.device) -> _DeviceCarry:
+        """Admit every row as a member of an explicit group and move the registry's rows to ``device``.
+
+        Args:
+            input_ids: ``[rows, length]``, read back only without ``prompt_keys`` (to key the rows).
+            device: the scores' device.
+
+        Returns:
+            The call's :class:`_DeviceCarry` (also kept in ``self._carry``).
+
+        Raises:
+            ValueError: ``len(prompt_keys) · copies`` is not the batch's row count.
+        """
         rows = int(input_ids.shape[0])
         if self.prompt_keys is None:
             keys: Sequence[bytes] = [ids.numpy().tobytes() for ids in input_ids.cpu()]
@@ -176,33 +275,29 @@ class QMCForcer:
         by_key: dict[bytes, list[int]] = {}
         for prompt, key in enumerate(keys):
             by_key.setdefault(key, []).append(prompt)
-        members: list[MemberState | None] = [None] * rows
+        # The rows' numbers are written on the host (the pool starts on the CPU), then moved once.
+        registry = MemberRegistry(pool=DevicePool(max(rows, 1)))
+        members: list[Member | None] = [None] * rows
         for g, prompts in enumerate(by_key.values()):
             blocks = [range(p * copies, (p + 1) * copies) for p in prompts]
             order = member_order(self.method, blocks)
             seed = counter_seed(self.seed, Purpose.GROUP_SEED, g, 0)
-            spec = GroupSpec(self.method, len(order), seed, self.order)
-            self._placed.append((spec, tuple(order)))
+            # An explicit group: this forcer names its size, seed and every member index.
+            request = QMCRequest(EXPLICIT, self.method, self.order, seed, len(order), group=f"hf:{g}")
             for i, row in enumerate(order):
-                members[row] = MemberState(spec=spec, member=i)
+                members[row] = registry.admit(dataclasses.replace(request, index=i), _AS_GIVEN, (), ())
+            self._placed.append((members[order[0]].state.spec, tuple(order)))  # type: ignore[union-attr]
+        registry.pool.to(device)
+        placed: list[Member] = members  # type: ignore[assignment]  # every row got its member
+        self._carry = _DeviceCarry(
+            registry=registry,
+            members=placed,
+            slots=upload(np.array([m.slot for m in placed], dtype=np.int64), device),
+            ones=torch.ones(rows, device=device),
+            left=torch.zeros(rows, dtype=torch.int64, device=device),
+        )
         self.stats.add(groups=len(self._placed), members=rows)
-        return members  # type: ignore[return-value]
-
-    def _leave_to_hf(self, members: list[MemberState]) -> None:
-        # HF chooses these tokens: the members' codes no longer describe their prefixes, so
-        # they continue with fresh uniforms of their own (still exact).
-        for m in members:
-            m.step += 1
-            m.fresh = True
-        self.stats.add(unsampleable=len(members))
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "qmc-sampler: %d row(s) have NaN scores or no finite score; transformers samples them itself "
-                "(as without qmc-sampler) and those members continue with fresh uniforms. Rows left so far: %d",
-                len(members),
-                self.stats.unsampleable,
-            )
+        return self._carry
 
 
 def member_order(method: str, blocks: Sequence[Sequence[int]]) -> list[int]:

@@ -37,6 +37,7 @@ from several threads: no two calls get the same c.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import secrets
@@ -78,9 +79,10 @@ class QMCGenerate:
             more than one process).
 
     Attributes:
-        stats: cumulative :class:`~qmc_sampler.hf.forcer.ForcerStats` (atomic updates).
+        stats: cumulative :class:`~qmc_sampler.hf.forcer.ForcerStats` (atomic updates; a call's
+            ``unsampleable`` rows are added when it ends).
         last_groups: the groups of the last call to finish (in any thread)
-            (:class:`~qmc_sampler.hf.forcer.GroupRecord`).
+            (:class:`~qmc_sampler.hf.forcer.GroupRecord`, first tokens read when the call ended).
 
     Raises:
         ValueError: an unknown method or order, a non-int seed or a non-bool
@@ -133,6 +135,9 @@ class QMCGenerate:
 
         Returns:
             What ``_sample`` returns (a ``[rows, length + new]`` tensor or a ``GenerateOutput``).
+            The decoding steps read nothing back from the device after the first (see
+            :class:`~qmc_sampler.hf.forcer.QMCForcer`); the call reads the device once at its
+            end, for :attr:`stats` (``unsampleable``) and :attr:`last_groups` (first tokens).
 
         Raises:
             ValueError: ``generate`` is not in sampling mode.
@@ -152,15 +157,23 @@ class QMCGenerate:
                            keys.copies)  # fmt: skip
         self.stats.add(calls=1, copies_only_calls=int(bool(keys.unattributed)))
         extra = {} if streamer is None else {"streamer": streamer}
-        result = model._sample(
-            input_ids,
-            logits_processor=LogitsProcessorList([*logits_processor, forcer]),
-            stopping_criteria=stopping_criteria,
-            generation_config=generation_config,
-            synced_gpus=synced,
-            **extra,
-            **model_kwargs,
-        )
+        try:
+            result = model._sample(
+                input_ids,
+                logits_processor=LogitsProcessorList([*logits_processor, forcer]),
+                stopping_criteria=stopping_criteria,
+                generation_config=generation_config,
+                synced_gpus=synced,
+                **extra,
+                **model_kwargs,
+            )
+        except BaseException:
+            # HF raising on a row left to it (NaN scores): count and warn about such rows if the
+            # device can still say; the loop's own error is the one raised.
+            with contextlib.suppress(Exception):
+                forcer.finish()
+            raise
+        forcer.finish()  # the call's one read of the device: rows left to HF, first tokens
         self.last_groups = forcer.groups
         return result
 

@@ -8,7 +8,12 @@ Skipped without CUDA. ``QMC_GPU_CHECK_DEVICE=cpu`` (``gpu_check.sh``'s dry run) 
 on the CPU, where nothing syncs: it only checks that they run, and warns with the host reads it
 records (``tolist``, ``item``, ``cpu``, ``numpy``, truth values …), a hint of a GPU run's outcome:
 each is a sync on a GPU where the GPU takes the same path (the torch path's filters read on the CPU
-only), and an upload from pageable memory, a sync on a GPU, does not show.
+only), and an upload from pageable memory, a sync on a GPU, does not show. The HF forcer's case
+fails on a recorded read there too.
+
+The HF forcer places its rows at the first step of a ``generate`` call (grouping is a host
+decision, and its carried state moves to the device then): that step runs unwatched, every later
+one is held to the rule.
 """
 
 import contextlib
@@ -85,9 +90,13 @@ def reads(monkeypatch) -> Reads:
     return Reads(monkeypatch)
 
 
-def run_steps(step, reads: Reads, steps: int = STEPS) -> None:
-    """``step(t)`` for each step under :func:`no_host_sync`; a sync fails the test, naming the step."""
+def run_steps(step, reads: Reads, steps: int = STEPS, watch_from: int = 0) -> None:
+    """``step(t)`` for each step, from step ``watch_from`` on under :func:`no_host_sync` (the steps
+    before it run unwatched and unrecorded); a sync fails the test, naming the step."""
     for t in range(steps):
+        if t < watch_from:
+            step(t)
+            continue
         reads.on = True
         try:
             with no_host_sync():
@@ -186,7 +195,8 @@ def test_the_hf_forcer_draws_a_whole_group_without_a_sync(reads):
     # The forcer as QMCGenerate runs it (num_return_sequences=G: one prompt, one group), in a
     # stand-in for transformers' _sample loop that itself never waits (transformers' own loop
     # checks for finished rows on the host every step): scores on the device, the forced token
-    # taken on the device.
+    # taken on the device. Every step after the first (placement) is watched; the call reads the
+    # device once when it ends (first tokens, rows left to transformers), outside the steps.
     transformers = pytest.importorskip("transformers")
     from qmc_sampler.hf import QMCGenerate
 
@@ -207,7 +217,7 @@ def test_the_hf_forcer_draws_a_whole_group_without_a_sync(reads):
                 ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=1)
 
             try:
-                run_steps(step, reads)
+                run_steps(step, reads, watch_from=1)
             except BaseException as e:  # pytest.fail: re-raised below, outside transformers' call
                 failures.append(e)
                 raise
@@ -221,4 +231,8 @@ def test_the_hf_forcer_draws_a_whole_group_without_a_sync(reads):
     q = torch.softmax(table[8].double(), -1).cpu().numpy()
     counts = np.bincount(out[:, 4].cpu().numpy(), minlength=VOCAB)
     assert np.all((counts == np.floor(G * q)) | (counts == np.ceil(G * q)))  # one balanced lattice group
-    reads.report("the HF forcer")
+    (group,) = generator.last_groups
+    assert list(group.first_tokens) == out[list(group.rows), 4].tolist()  # read when the call ended
+    assert generator.stats.unsampleable == 0
+    # On the CPU stand-in a read in a watched step fails too (on a GPU the sync mode has spoken).
+    assert ON_GPU or not reads.seen, f"steps after placement read the device back: {reads.seen}"
