@@ -61,6 +61,8 @@ __all__ = ["GenerateHandle", "QMCGenerate", "patch_generate"]
 
 logger = logging.getLogger("qmc_sampler.hf")
 
+#: How many frames up transformers' ``generate`` is looked for (a wrapper or two may stand between).
+_CALLER_DEPTH = 4
 #: Guards every QMCGenerate's call counter and warning set (held for a few instructions).
 _CALL_LOCK = threading.Lock()
 
@@ -223,13 +225,18 @@ def _generate_arguments(frame: FrameType | None) -> dict[str, Any]:
 
     transformers 5 does not forward the first two to a ``custom_generate`` callable, and
     hands it the model inputs only after encoding them; all three are the ``generate``
-    frame's own parameters. Empty when the caller is anything else.
+    frame's own parameters, found among the nearest few callers. Empty when none is that call.
     """
-    if (
-        frame is None
-        or frame.f_code.co_name != "generate"
-        or not str(frame.f_globals.get("__name__", "")).startswith("transformers.generation")
-    ):
+    for _ in range(_CALLER_DEPTH):  # a wrapper of this callable (the custom_generate) may stand between
+        if frame is None or (
+            frame.f_code.co_name == "generate"
+            and str(frame.f_globals.get("__name__", "")).startswith("transformers.generation")
+        ):
+            break
+        frame = frame.f_back
+    else:
+        return {}
+    if frame is None:
         return {}
     local = frame.f_locals
     found = {name: local.get(name) for name in ("synced_gpus", "streamer")}

@@ -99,6 +99,16 @@ def test_a_streamer_given_to_generate_gets_every_token_and_the_end(hf_model):
     assert [t for put in streamer.puts[1:] for t in put] == out[0, PROMPT.shape[1] :].tolist()
 
 
+def test_a_streamer_reaches_a_generator_called_from_the_users_own_custom_generate(hf_model):
+    lattice, streamer = QMCGenerate("lattice", seed=4), Recorder()
+
+    def my_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        return lattice(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+
+    out = generate(hf_model, my_generate, new_tokens=3, g=1, streamer=streamer)
+    assert streamer.ended and [t for put in streamer.puts[1:] for t in put] == out[0, PROMPT.shape[1] :].tolist()
+
+
 def test_concurrent_calls_of_one_generator_get_distinct_call_seeds(hf_model, monkeypatch):
     # Reference: calls 0 and 1 of a generator seeded 5, one after the other.
     reference = sorted(generate(hf_model, generator).tolist() for generator in [QMCGenerate("lattice", seed=5)] * 2)
