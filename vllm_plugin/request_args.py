@@ -1,50 +1,13 @@
 """Per-request arguments of the plugin: parsing and validation at admission.
 
-Requests choose a design through ``SamplingParams.extra_args`` (offline) or
-``vllm_xargs`` (OpenAI server), a flat dict:
-
-================ ====================================================================
-key              meaning
-================ ====================================================================
-qmc_method       design name (``qmc_sampler.METHODS``); ``iid`` = independent draws
-qmc_seed         group seed (an int in [-2^63, 2^64 − 1]); default: the request's ``seed``
-qmc_order        vocabulary order, ``id`` (default) or ``sorted``
-qmc_group        group id (a str of 1–256 characters, or a 64-bit int) for callers that fan
-                 out n = 1 requests themselves
-qmc_index        this request's member index in ``[0, qmc_n)`` (needs ``qmc_group``); with
-                 ``n > 1`` the children are members ``qmc_index … qmc_index + n − 1``
-qmc_n            group size, 1 … 2^32 (needs ``qmc_group``)
-qmc_auto_group   0: do not group this n = 1 request with its repeats (default 1)
-================ ====================================================================
-
-Engine-wide settings (environment of the process that admits requests: the
-OpenAI server, or the script that builds ``vllm.LLM``):
-
-============================== ======================================================
-variable                       meaning
-============================== ======================================================
-``QMC_SAMPLER``                drop-in design for every request without ``qmc_method``
-``QMC_SAMPLER_ORDER``          default vocabulary order
-``QMC_SAMPLER_AUTO_GROUP``     ``0``: never group repeated n = 1 requests (default on)
-``QMC_SAMPLER_GROUP_TTL``      seconds an auto group stays open after its last
-                               member left (default 300)
-============================== ======================================================
-
-Which group a request joins (:mod:`qmc_sampler.vllm_plugin.grouping` has the full
-rules): ``qmc_group`` given → an *explicit* group; ``n > 1`` → a *request* group
-of its children; ``n = 1`` with a design → an *auto* group of its repeats
-(unless auto-grouping is off, then a group of one). Prompt i > 0 of a multi-prompt
-completion request uses the group seed :func:`prompt_seed` (seed, i), so its
-members are never another prompt's.
-
-:func:`resolve` runs in ``validate_params``, i.e. in vLLM's front-end *before* the
-``n > 1`` fan-out (``vllm/v1/engine/input_processor.py::_validate_params``, then
-``params.clone()``, then ``vllm/v1/engine/parallel_sampling.py``), so what it writes
-into ``extra_args`` — the group key, kind, seed and size, and the front-end clock —
-is shared by all children of that request and seen alike by every worker. It
-rewrites those private keys on every call because callers reuse one
-``SamplingParams`` object for many prompts. It draws no randomness: seeds a
-request does not give are derived in the worker (``grouping``).
+Requests choose a design through ``SamplingParams.extra_args`` (offline) or ``vllm_xargs``
+(OpenAI server), the ``qmc_*`` keys (:data:`KEYS`); the ``QMC_SAMPLER*`` variables
+(:data:`ENV_METHOD`, :data:`ENV_ORDER`, :data:`ENV_AUTO_GROUP`, :data:`ENV_GROUP_TTL`) set
+engine-wide defaults — both tables are in docs/serving.md. :func:`check_extra_args` validates a
+request's keys; :func:`resolve` runs in vLLM's front-end before the ``n > 1`` fan-out and writes
+the group key, kind (:data:`EXPLICIT`, :data:`REQUEST`, :data:`AUTO`), seed and size into
+``extra_args`` (docs/internals.md, "Admission"); :func:`prompt_seed` seeds prompt i of a
+multi-prompt completion request.
 """
 
 from __future__ import annotations

@@ -51,6 +51,14 @@ def test_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_docs_passk_recipe_scores_samples_made_elsewhere(tmp_path, capsys, monkeypatch, docs):
+    (passk,) = docs.commands("qmc-eval-passk")
+    monkeypatch.chdir(tmp_path)
+    write_samples(tmp_path / "other_samples.jsonl")
+    assert passk.argv[1:3] == ["-m", "qmc_sampler.eval"] and main(passk.argv[3:]) == 0
+    assert {d["sampler"] for d in json.loads(capsys.readouterr().out)} == {"iid", "lattice"}
+
+
 def test_score_reads_a_run_folder(tmp_path, capsys):
     write_samples(tmp_path / "samples.jsonl")
     assert main(["score", str(tmp_path)]) == 0

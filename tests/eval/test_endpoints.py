@@ -65,17 +65,27 @@ def samples(out: Path) -> set[tuple]:
     }
 
 
+def recipe(command, env=None) -> list[str]:
+    """A docs recipe's ``qmc-eval run`` arguments (after ``run``; ``$VAR`` from ``env``) for :func:`qmc_eval`."""
+    assert command.argv[1:4] == ["-m", "qmc_sampler.eval", "run"], command.argv
+    return command.expanded(env or {})[4:]
+
+
 def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
-    fleet, llm_factory, tiny_model_dir, tmp_path
+    fleet, llm_factory, tiny_model_dir, tmp_path, docs
 ):
     # One member in flight at a time everywhere: each member is computed in a batch of one, so the
     # texts are comparable bit for bit (in mixed batches some CPUs give a row other logits).
+    # The runs are docs/evaluation.md's recipes, with this test's smaller settings after them.
     (_, url_a), (_, url_b) = fleet["a"], fleet["b"]
-    both = qmc_eval(*SETTINGS, "--endpoint", url_a, "--endpoint", url_b, "--concurrency", "1",
-                    "--out", str(tmp_path / "both"))  # fmt: skip
+    (spread,) = docs.commands("qmc-eval-fleet", {"http://node-a:8000": url_a, "http://node-b:8000": url_b,
+                                                 "my-model": "tiny", "runs/fleet": str(tmp_path / "both")})  # fmt: skip
+    both = qmc_eval(*recipe(spread), *SETTINGS, "--concurrency", "1")
     assert both.returncode == 0, both.stderr[-2000:]
     assert f"2 endpoint(s): {url_a}, {url_b}" in both.stdout
-    one = qmc_eval(*SETTINGS, "--endpoint", url_a, "--concurrency", "1", "--out", str(tmp_path / "one"))
+    (served,) = docs.commands("qmc-eval-endpoint", {"http://gpu-box:8000": url_a, "my-model": "tiny",
+                                                    "runs/served": str(tmp_path / "one")})  # fmt: skip
+    one = qmc_eval(*recipe(served, {"KEY": KEY}), *SETTINGS, "--concurrency", "1")
     assert one.returncode == 0, one.stderr[-2000:]
     llm = llm_factory(tiny_model_dir, max_model_len=512)
     try:
@@ -88,6 +98,17 @@ def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
         llm.llm_engine.engine_core.shutdown()
     assert samples(tmp_path / "both") == samples(tmp_path / "one") == samples(local)
     assert len(samples(local)) == 2 * 3 * 4 and len({s[-1] for s in samples(local)}) > 4
+
+
+def test_the_docs_jsonl_recipe_runs_on_a_served_model(fleet, docs, tmp_path):
+    (_, url_a) = fleet["a"]
+    task, command = docs.commands("qmc-eval-jsonl", {"my.jsonl": str(tmp_path / "my.jsonl"),
+                                                     "runs/mine": str(tmp_path / "mine")})  # fmt: skip
+    Path(task.file[0]).write_text(task.file[1])
+    done = qmc_eval(*recipe(command), "--endpoint", url_a, "--served-model", "tiny", "--n", "4", "--max-tokens", "6")
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = read_samples(tmp_path / "mine" / "samples.jsonl")
+    assert len(records) == 2 * 2 * 4 and {r["problem"] for r in records} == {"q1", "q2"}
 
 
 def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, tmp_path):

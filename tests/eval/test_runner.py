@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -125,30 +124,14 @@ def test_resuming_with_other_settings_is_refused(llm, tmp_path):
         run(config(tmp_path / "a", problems=1, groups=1, n=8), engine=llm, progress=False)
 
 
-def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env):
+def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env, docs, capsys):
+    from qmc_sampler.eval.cli import main as cli_main
+
+    # The README's two commands, on the tiny model and smaller.
     out = tmp_path / "cli"
+    run_command, score_command = docs.commands("readme-qmc-eval", {"runs/arith": str(out)})
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qmc_sampler.eval",
-            "run",
-            "--task",
-            "basic_arithmetic",
-            "--samplers",
-            "iid,lattice",
-            "--n",
-            "4",
-            "--problems",
-            "2",
-            "--model",
-            tiny_model_dir,
-            "--max-tokens",
-            "4",
-            "--quiet",
-            "--out",
-            str(out),
-        ],
+        [*run_command.argv, "--n", "4", "--problems", "2", "--model", tiny_model_dir, "--max-tokens", "4", "--quiet"],
         capture_output=True,
         text=True,
         env=engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"},  # the model in the CLI's process: ~20 s less
@@ -157,3 +140,5 @@ def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bound min(1,k·p̂)" in done.stdout
     assert len(read_samples(out / "samples.jsonl")) == 2 * 2 * 4
+    assert score_command.argv[1:3] == ["-m", "qmc_sampler.eval"] and cli_main(score_command.argv[3:]) == 0
+    assert "lattice" in capsys.readouterr().out and (out / "passk.png").read_bytes()[:4] == b"\x89PNG"

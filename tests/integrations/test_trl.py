@@ -14,7 +14,6 @@ for an unchanged policy. Expected values: transformers on the same weights.
 
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -30,13 +29,10 @@ G = 8
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir, serve, tmp_path_factory):
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir, "--host", "127.0.0.1",
-        "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
-        "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-    ]  # fmt: skip
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice", "VLLM_SERVER_DEV_MODE": "1"}
+def base_url(tiny_model_dir, serve, tmp_path_factory, docs):
+    (recipe,) = docs.commands("trl-server", {"path/to/model": tiny_model_dir})  # docs/integrations.md's
+    command = [*recipe.argv, "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"} | recipe.env
     with serve(command, tmp_path_factory.mktemp("trl-server") / "server.log", env) as (_, url):
         yield url
 

@@ -7,7 +7,6 @@ sent together run on different engines, and each equals the reference loop on
 the same weights.
 """
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,9 +22,10 @@ PROMPT = [1, 70, 122, 35]
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir, serve, tmp_path_factory):
-    command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
-               "tiny", "--dtype", "float32", "--kv-cache-gb", "1", "--data-parallel-size", "2"]  # fmt: skip
+def url(tiny_model_dir, serve, tmp_path_factory, docs):
+    (recipe,) = docs.commands("qmc-serve-dp", {"path/to/model": tiny_model_dir})  # docs/serving.md's: 2 engines
+    assert recipe.argv[-2:] == ["--data-parallel-size", "2"]
+    command = [*recipe.argv, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-gb", "1"]
     with serve(command, tmp_path_factory.mktemp("dp") / "server.log") as (_, base):
         yield base
 

@@ -8,7 +8,7 @@ HTTP. The last test stops the server with SIGTERM in the middle of a stream.
 import json
 import os
 import signal
-import sys
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,15 +28,18 @@ PROMPT = "the quick brown"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, serve, tmp_path_factory):
+def server(tiny_model_dir, serve, tmp_path_factory, docs):
     log = tmp_path_factory.mktemp("qmc-serve-prod") / "server.log"
+    # docs/serving.md's recipe: the key from the environment, where `ps` does not show it.
+    recipe = docs.commands("qmc-serve-key", {"QMC_SERVE_API_KEY=...": f"QMC_SERVE_API_KEY={KEY}"})[0]
     command = [
-        sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name", "tiny",
+        *recipe.argv, "--model", tiny_model_dir, "--served-model-name", "tiny",
         "--kv-cache-gb", "1", "--max-body-bytes", "4096", "--max-members-in-flight", str(LIMIT),
         "--shutdown-timeout", "0",  # abort at once: on one thread the 480-token group below took under 1 s
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}  # the key stays out of `ps`
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"} | recipe.env
+    assert env["QMC_SERVE_API_KEY"] == KEY
     with serve(command, log, env) as (process, url):
         yield {"url": url, "process": process, "log": log}
 
@@ -379,6 +382,18 @@ def test_other_sampling_routes_get_the_servers_design_through_the_drop_in(server
     response = completion(server, body, "/v1/messages")
     assert response.status_code == 200, response.text
     assert sum(e["admitted"] for e in stats(server)["engines"]) == admitted + 1  # the plugin placed it in a group
+
+
+def test_the_docs_curl_and_chat_examples_get_their_groups(server, docs, monkeypatch):
+    host = server["url"].removeprefix("http://")
+    curl = docs.commands("qmc-serve-key", {"localhost:8000": host, "SmolLM2-135M-Instruct": "tiny"})[1]
+    done = subprocess.run(curl.expanded({"QMC_SERVE_API_KEY": KEY}), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    response = json.loads(done.stdout)
+    assert len(response["choices"]) == 8 and (response["sampler"], response["sampler_seed"]) == ("lattice", 42)
+    monkeypatch.setenv("QMC_SERVE_API_KEY", KEY)
+    chat = docs.exec_python("qmc-serve-chat", {"http://localhost:8000": server["url"], "SmolLM2-135M-Instruct": "tiny"})
+    assert len(chat["response"].choices) == 8 and isinstance(chat["seed"], int)
 
 
 def test_sigterm_during_a_streaming_group_ends_cleanly(server):

@@ -24,9 +24,9 @@ def server_log(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir, serve, server_log):
-    command = [sys.executable, "-m", "qmc_sampler.server.main", "--model", tiny_model_dir, "--served-model-name",
-               "tiny", "--sampler", "lattice", "--max-n", "64", "--kv-cache-gb", "1",
+def base_url(tiny_model_dir, serve, server_log, docs):
+    (qmc_serve,) = docs.commands("readme-qmc-serve", {"path/to/model": tiny_model_dir})  # the README's recipe
+    command = [*qmc_serve.argv, "--served-model-name", "tiny", "--max-n", "64", "--kv-cache-gb", "1",
                "--max-num-seqs", "32", "--enable-prefix-caching"]  # any vllm serve option  # fmt: skip
     # INFO: the test below reads vLLM's start-up line (TRL's import, earlier in a session, sets ERROR).
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
@@ -41,6 +41,11 @@ def client(base_url):
 
 def texts(response):
     return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+
+def test_the_readme_openai_sdk_example_gets_one_group(base_url, docs):
+    example = docs.exec_python("readme-openai", {"http://localhost:8000": base_url, "path/to/model": "tiny"})
+    assert len(example["response"].choices) == 8 and example["response"].model_extra["sampler"] == "lattice"
 
 
 def test_models_health_and_stats(client, base_url):

