@@ -71,7 +71,8 @@ def test_humaneval_verifier_runs_the_tests_in_the_sandbox_and_says_why_a_sample_
     crashing = "```python\n" + signature + "    return 1 / 0\n```"
     assert task.score(first, crashing) == Verdict(False, "runtime_error")
     looping = "```python\n" + signature + "    while True:\n        pass\n```"
-    assert get_task("humaneval", cpu_seconds=1, wall_seconds=3).score(first, looping) == Verdict(False, "limit")
+    # a wall limit far above the CPU limit: on a loaded machine the loop gets a fraction of a core
+    assert get_task("humaneval", cpu_seconds=1, wall_seconds=30).score(first, looping) == Verdict(False, "limit")
     sleeping = "```python\nimport time\n" + signature + "    time.sleep(30)\n```"
     assert get_task("humaneval", wall_seconds=2).score(first, sleeping) == Verdict(False, "timeout")
     hungry = "```python\n" + signature + "    x = bytearray(8 * 1024**3)\n```"
