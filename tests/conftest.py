@@ -16,7 +16,7 @@ FAMILY_ALPHA = 1e-3
 
 #: What `.ci/run` requires (QMC_REQUIRE_INTEGRATIONS=1): without these, whole modules would
 #: skip at import and a green run would test nothing of vLLM, the evaluation or TRL.
-REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai")
+REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai", "ray")
 
 
 #: The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadfile``): a module is
@@ -29,6 +29,7 @@ COSTLIEST_FIRST = (
     "benchmarks/test_quick_forms.py",  # [200] each quick form starts its own servers
     "mutation/test_mutants.py",  # [200] a pytest per mutant, some with an engine
     "eval/test_endpoints.py",  # [190] two replicas, a third for the SIGTERM test
+    "eval/test_ray.py",  # [~200] one Ray cluster, two vLLM replicas, the recipes, a kill test
     "test_docs.py",  # [~100] a fresh Python per Python block of README.md and docs/, two with a vLLM engine
     "vllm_plugin/test_vllm_openai_server.py",  # [90] two servers
     "server/test_server.py",  # [60]
@@ -61,8 +62,8 @@ def pytest_configure(config):
         if missing:
             raise pytest.UsageError(
                 f"QMC_REQUIRE_INTEGRATIONS=1 (set by .ci/run) but {missing} cannot be imported: their tests "
-                "would be skipped; install the project with `make test` (.venv with the cpu, eval, dev and "
-                "integrations extras)"
+                "would be skipped; install the project with `make test` (.venv with the cpu, eval, dev, "
+                "integrations and ray extras)"
             )
 
 

@@ -73,8 +73,14 @@ def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_cor
 
 
 def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env):
-    done = quick("fleet_scaling.py", tiny_model_dir, engine_core_env)
+    pytest.importorskip("ray.data.llm", reason="ray extra not installed")
+    # The --endpoint fleet and the Ray backend, 1 and 2 replicas each, side by side.
+    done = quick("fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
+    table = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["--endpoint"], ["--ray"])]
+    assert [(row[0], row[1]) for row in table] == [("--endpoint", "1"), ("--endpoint", "2"), ("--ray", "1"),
+                                                  ("--ray", "2")], done.stdout  # fmt: skip
+    assert "ratio 2 / 1 replicas, --ray: " in done.stdout and "ratio 2 / 1 replicas, --endpoint: " in done.stdout
 
 
 def test_the_parked_members_benchmark_quick_form_runs_side_by_side():
