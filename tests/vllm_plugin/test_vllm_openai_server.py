@@ -23,11 +23,11 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
 
 
-def vllm_server(model_dir, serve, log, recipe, **env):
+def vllm_server(model_dir, serve, log, recipe, model_len=256, **env):
     """vLLM's own server with the drop-in, started by the docs' ``recipe`` (default engine seed)."""
     server = recipe[0]
     command = [*server.argv, "--served-model-name", "tiny", "--host", "127.0.0.1", "--enforce-eager",
-               "--dtype", "float32", "--max-model-len", "256"]  # fmt: skip
+               "--dtype", "float32", "--max-model-len", str(model_len)]  # fmt: skip
     return serve(command, log, os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"} | server.env | env)
 
 
@@ -56,7 +56,8 @@ def second_server(tiny_model_dir, serve, tmp_path_factory, docs):
     """A second replica started by the README's one-line recipe, with a short auto-group ttl."""
     log = tmp_path_factory.mktemp("vllm-server-2") / "server.log"
     recipe = docs.commands("readme-vllm-serve", {"path/to/model": tiny_model_dir})
-    with vllm_server(tiny_model_dir, serve, log, recipe, QMC_SAMPLER_GROUP_TTL=str(SHORT_TTL)) as (_, url):
+    # The model's whole length (512), so that a generation outlasts the ttl on a fast, idle machine too.
+    with vllm_server(tiny_model_dir, serve, log, recipe, 512, QMC_SAMPLER_GROUP_TTL=str(SHORT_TTL)) as (_, url):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
@@ -218,8 +219,8 @@ def test_sequential_seeded_repeats_longer_than_the_ttl_are_distinct_balanced_mem
     for k in range(4):
         start = time.monotonic()
         outs.append(second_server.completions.create(
-            model="tiny", prompt=prompt, max_tokens=250, temperature=T, seed=1234,
-            extra_body={"return_token_ids": True, "min_tokens": 250},
+            model="tiny", prompt=prompt, max_tokens=500, temperature=T, seed=1234,
+            extra_body={"return_token_ids": True, "min_tokens": 500},
         ).choices[0])  # fmt: skip
         assert time.monotonic() - start > SHORT_TTL  # else this would not test what it says
         second_server.completions.create(model="tiny", prompt=f"another user {k}", max_tokens=1)
