@@ -156,11 +156,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from qmc_sampler.eval.runner import RunConfig, RunError, run
+    import dataclasses
+
+    from qmc_sampler.eval.runner import RunConfig, RunError, check_resumable, run
     from qmc_sampler.eval.tasks import get_task
 
     from qmc_sampler.reference import validate_sampling
 
+    # Every option first, alone and together: a bad one costs no model conversion, engine, endpoint
+    # request or cluster (tests/eval/test_cli.py runs each case with an empty model cache).
     try:
         validate_sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     except ValueError as e:
@@ -171,39 +175,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
             .replace("min_p", "--min-p")
             .replace("temperature", "--temperature", 1)
         )
-    backend = None
-    model = args.model
     if args.replicas is not None and args.ray is None:
         _fail("--replicas: give --ray too (the replicas are vLLM engines on a Ray cluster)")
     if args.ray is not None and args.endpoint:
         _fail("--ray: give either --ray or --endpoint (Ray starts its own engines; --endpoint uses running servers)")
-    if args.endpoint:
-        if args.model is not None:
-            _fail("--model runs an in-process engine; with --endpoint, name the served model with --served-model")
-        from qmc_sampler.eval.endpoints import EndpointBackend, EndpointError
-
-        api_key = args.api_key or os.environ.get("QMC_EVAL_API_KEY")
-        backend = EndpointBackend(args.endpoint, args.served_model, api_key, args.concurrency)
-        try:
-            where = backend.connect()
-        except EndpointError as e:
-            _fail(str(e))
-        model = backend.model
-    elif args.model is not None and not (Path(args.model) / "config.json").is_file():
+    if args.endpoint and args.model is not None:
+        _fail("--model runs an in-process engine; with --endpoint, name the served model with --served-model")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
         _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
-    if args.ray is not None:
-        from qmc_sampler.eval.ray_backend import DEFAULT_REPLICAS, RayBackend
-
-        from qmc_sampler.models import resolve_model
-
-        replicas = args.replicas or DEFAULT_REPLICAS
-        backend = RayBackend(resolve_model(args.model), args.ray or None, replicas, args.dtype)
     try:
         task = get_task(args.task, **dict(args.task_option))
+        task.problems(args.problems, args.seed)  # a generator's options are taken only here
     except TypeError as e:  # a --task-option the task does not take
         _fail(f"--task-option: {e}")
     except ValueError as e:  # a bad task file ("PATH:LINE: …") or verifier
         _fail(str(e))
+    except AssertionError as e:  # reasoning-gym checks its generators' settings with asserts
+        _fail(f"--task-option: {e or 'the task refuses these settings'}")
     config = RunConfig(
         task=args.task,
         samplers=args.samplers,
@@ -211,7 +199,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         groups=args.groups,
         problems=args.problems,
         out=args.out,
-        model=model,
+        model=args.model,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -222,6 +210,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
         task_options=dict(args.task_option),
         dtype=args.dtype,
     )
+    try:
+        if not args.endpoint:  # with endpoints the run's model is the served one, known once they answer
+            check_resumable(config)
+    except RunError as e:
+        _fail(str(e))
+    # Then the backend: endpoints are asked, a cluster joined, and only then a model converted.
+    backend = None
+    if args.endpoint:
+        from qmc_sampler.eval.endpoints import EndpointBackend, EndpointError
+
+        api_key = args.api_key or os.environ.get("QMC_EVAL_API_KEY")
+        backend = EndpointBackend(args.endpoint, args.served_model, api_key, args.concurrency)
+        try:
+            where = backend.connect()
+            config = dataclasses.replace(config, model=backend.model)
+            check_resumable(config)
+        except (EndpointError, RunError) as e:
+            _fail(str(e))
+    if args.ray is not None:
+        from qmc_sampler.eval.ray_backend import DEFAULT_REPLICAS, RayBackend
+
+        # args.model None: the default model, converted by connect() once the cluster has been checked.
+        backend = RayBackend(args.model, args.ray or None, args.replicas or DEFAULT_REPLICAS, args.dtype)
     from qmc_sampler.eval.console import engine_output_to
 
     log = Path(args.out) / "engine.log"

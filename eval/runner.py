@@ -29,7 +29,7 @@ from qmc_sampler.eval.generation import Completion, GroupJob, InProcessBackend
 from qmc_sampler.eval.samples import append_group, read_samples
 from qmc_sampler.eval.tasks import Problem, Task, get_task
 
-__all__ = ["RunConfig", "RunError", "build_engine", "group_seed", "run", "shutdown_engine"]
+__all__ = ["RunConfig", "RunError", "build_engine", "check_resumable", "group_seed", "run", "shutdown_engine"]
 
 SAMPLES = "samples.jsonl"
 SETTINGS = "run.json"
@@ -75,19 +75,38 @@ def group_seed(run_seed: int, task: str, problem: int | str, group: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def check_resumable(config: RunConfig) -> None:
+    """Refuse an ``--out`` that holds a run with other settings, writing nothing (the CLI asks this
+    before any model is converted or engine started).
+
+    Raises:
+        RunError: ``config.out`` is a file, or its ``run.json`` is unreadable or records other settings.
+    """
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--out {out} is a file; give a folder (created if missing, resumed if it holds a run)")
+    settings = out / SETTINGS
+    if not settings.is_file():
+        return
+    try:
+        previous = json.loads(settings.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunError(f"{settings} is not a run's settings file ({type(e).__name__}); use another --out") from None
+    identity = config.identity()
+    if previous != identity:
+        changed = sorted(k for k in identity if not isinstance(previous, dict) or previous.get(k) != identity[k])
+        raise RunError(
+            f"{out} holds a run with other settings ({', '.join(changed) or 'its file'} differ); "
+            "use another --out or the same settings to resume"
+        )
+
+
 def _prepare_out(config: RunConfig) -> tuple[Path, set[tuple[str, Any, int]]]:
+    check_resumable(config)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = out / SETTINGS
-    if settings.exists():
-        previous = json.loads(settings.read_text())
-        if previous != config.identity():
-            changed = sorted(k for k in config.identity() if previous.get(k) != config.identity()[k])
-            raise RunError(
-                f"{out} holds a run with other settings ({', '.join(changed)} differ); "
-                "use another --out or the same settings to resume"
-            )
-    else:
+    if not settings.exists():
         settings.write_text(json.dumps(config.identity(), indent=2) + "\n")
     done: set[tuple[str, Any, int]] = set()
     samples = out / SAMPLES

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from qmc_sampler.designs import METHODS
 
@@ -22,9 +22,23 @@ SHUTDOWN_TIMEOUT_S = 30
 
 
 def _positive(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
-    return int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds >= 0")
+    return value
 
 
 def _vllm_cli() -> Any:
@@ -39,9 +53,13 @@ def _vllm_cli() -> Any:
 def _parser() -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    class OneLineParser(FlexibleArgumentParser):
+        def error(self, message: str) -> NoReturn:  # one line and exit code 2, not pages of vLLM's usage
+            self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
     make_arg_parser = _vllm_cli().make_arg_parser
 
-    parser = make_arg_parser(FlexibleArgumentParser(
+    parser = make_arg_parser(OneLineParser(
         prog="qmc-serve", description="vLLM's OpenAI-compatible server with correlated sampling groups (qmc-sampler)"
     ))  # fmt: skip
     ours = parser.add_argument_group("qmc-sampler")
@@ -49,9 +67,9 @@ def _parser() -> Any:
     ours.add_argument("--max-n", type=_positive, default=128, help="largest n a request may ask for")
     ours.add_argument("--max-members-in-flight", type=_positive, default=1024,
                       help="member requests (n × prompts) in the engines at once; beyond: 429")  # fmt: skip
-    ours.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request waits for room before a 429")
+    ours.add_argument("--queue-timeout", type=_seconds, default=0.0, help="seconds a request waits for room (then 429)")
     ours.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
-    ours.add_argument("--kv-cache-gb", type=int, default=None, help="CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)")
+    ours.add_argument("--kv-cache-gb", type=_positive, default=None, help="CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)")
     parser.set_defaults(model=None, enforce_eager=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     return parser
 
@@ -66,12 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     cli_env_setup()
     parser = _parser()
     args = parser.parse_args(argv)
+    # vLLM's own checks of the options, before the default model is converted or an engine started.
+    try:
+        _vllm_cli().validate_parsed_serve_args(args)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e).removeprefix("Error: "))
     _apply_defaults(args, parser)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.logger import configure_logging_from_args
 
     configure_logging_from_args(args)
-    _vllm_cli().validate_parsed_serve_args(args)
     ServeSubcommand.cmd(args)
     return 0
 

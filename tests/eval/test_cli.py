@@ -127,3 +127,46 @@ def test_the_console_script_is_installed(tmp_path):
     assert exe is not None
     done = subprocess.run([exe, "passk", str(write_samples(tmp_path / "s.jsonl"))], capture_output=True, text=True)
     assert done.returncode == 0 and "lattice" in done.stdout
+
+
+@pytest.fixture
+def empty_model_cache(tmp_path, monkeypatch):
+    """``$QMC_SAMPLER_CACHE`` as on a new machine: nothing converted yet."""
+    cache = tmp_path / "model-cache"
+    monkeypatch.setenv("QMC_SAMPLER_CACHE", str(cache))
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ray", "--task", "jsonl:{missing}"], "missing"),
+        (["--ray", "--task", "basic_arithmetic", "--top-p", "2"], "--top-p=2.0 must be in (0, 1]"),
+        (["--ray", "--task", "basic_arithmetic", "--task-option", "no_such_option=1"], "--task-option: "),
+        (["--ray", "--task", "basic_arithmetic", "--out", "{other}"], "holds a run with other settings (n differ)"),
+        (["--task", "basic_arithmetic", "--out", "{other}"], "holds a run with other settings (n differ)"),
+        (["--task", "basic_arithmetic", "--out", "{file}"], "is a file; give a folder"),
+        (["--task", "basic_arithmetic", "--out", "{garbled}"], "is not a run's settings file"),
+    ],
+)
+def test_bad_run_options_are_refused_before_the_default_model_is_converted(
+    tmp_path, capsys, empty_model_cache, argv, message
+):
+    pytest.importorskip("reasoning_gym", reason="eval extra not installed")
+    other, garbled = tmp_path / "other", tmp_path / "garbled"
+    other.mkdir()
+    from qmc_sampler.eval.runner import RunConfig
+
+    settings = RunConfig("basic_arithmetic", ("iid", "lattice"), n=8, groups=1, problems=1, out="").identity()
+    (other / "run.json").write_text(json.dumps(settings))
+    garbled.mkdir()
+    (garbled / "run.json").write_text("{not json")
+    (tmp_path / "file").write_text("")
+    paths = {"missing": tmp_path / "missing.jsonl", "other": other, "file": tmp_path / "file", "garbled": garbled}
+    argv = [a.format(**paths) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    code, captured = run_cli(["run", "--quiet", "--n", "4", "--problems", "1", *argv], capsys)
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1 and message in captured.err, captured.err
+    assert not empty_model_cache.exists(), sorted(empty_model_cache.rglob("*"))  # nothing converted, not even begun
+    assert json.loads((other / "run.json").read_text())["n"] == 8  # nothing written over

@@ -1,0 +1,39 @@
+"""``qmc-serve``'s command line: a bad option is one line and exit code 2, before any model is touched."""
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+
+from qmc_sampler.server.main import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-n", "0"], "argument --max-n: 0 must be >= 1"),
+        (["--max-members-in-flight", "many"], "argument --max-members-in-flight: 'many' is not an integer"),
+        (["--sampler", "lattic"], "argument --sampler: invalid choice: 'lattic'"),
+        (["--queue-timeout", "-1"], "argument --queue-timeout: -1 must be a finite number of seconds >= 0"),
+        (["--queue-timeout", "nan"], "must be a finite number of seconds >= 0"),
+        (["--kv-cache-gb", "0"], "argument --kv-cache-gb: 0 must be >= 1"),
+        (["--dtype", "fp7"], "argument --dtype: invalid choice: 'fp7'"),
+        (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),  # vLLM's own check
+    ],
+)
+def test_a_bad_option_is_one_line_and_exit_code_2_with_nothing_converted(tmp_path, monkeypatch, capsys, argv, message):
+    cache = tmp_path / "model-cache"  # as on a new machine: the default model not converted yet
+    monkeypatch.setenv("QMC_SAMPLER_CACHE", str(cache))
+    saved = dict(os.environ)  # qmc-serve sets vLLM's process-wide variables before parsing
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qmc-serve: error: ") and message in err, err
+    assert not cache.exists(), sorted(cache.rglob("*"))
