@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--served-model", default=None, help="the model name the endpoints serve (default: theirs)")
     fleet.add_argument("--api-key", default=None, help="Bearer key for the endpoints (or set $QMC_EVAL_API_KEY)")
-    fleet.add_argument("--concurrency", type=_positive_int, default=32, help="member requests in flight")
+    fleet.add_argument("--concurrency", type=_positive_int, default=None, help="member requests in flight (32)")
     cluster = run.add_argument_group("a Ray cluster (instead of an in-process engine)")
     cluster.add_argument(
         "--ray",
@@ -181,6 +181,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _fail("--ray: give either --ray or --endpoint (Ray starts its own engines; --endpoint uses running servers)")
     if args.endpoint and args.model is not None:
         _fail("--model runs an in-process engine; with --endpoint, name the served model with --served-model")
+    for option, value in (("--served-model", args.served_model), ("--api-key", args.api_key),
+                          ("--concurrency", args.concurrency)):  # fmt: skip
+        if value is not None and not args.endpoint:
+            _fail(f"{option}: give --endpoint too ({option} applies to served models only)")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
     try:
@@ -191,7 +195,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad task file ("PATH:LINE: …") or verifier
         _fail(str(e))
     except AssertionError as e:  # reasoning-gym checks its generators' settings with asserts
-        _fail(f"--task-option: {e or 'the task refuses these settings'}")
+        _fail(f"--task-option: {str(e) or 'the task refuses these settings'}")
     config = RunConfig(
         task=args.task,
         samplers=args.samplers,
@@ -210,9 +214,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         task_options=dict(args.task_option),
         dtype=args.dtype,
     )
-    try:
-        if not args.endpoint:  # with endpoints the run's model is the served one, known once they answer
-            check_resumable(config)
+    try:  # with endpoints the run's model is the served one, compared once they answer
+        check_resumable(config, ignore=("model",) if args.endpoint else ())
     except RunError as e:
         _fail(str(e))
     # Then the backend: endpoints are asked, a cluster joined, and only then a model converted.
@@ -221,7 +224,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from qmc_sampler.eval.endpoints import EndpointBackend, EndpointError
 
         api_key = args.api_key or os.environ.get("QMC_EVAL_API_KEY")
-        backend = EndpointBackend(args.endpoint, args.served_model, api_key, args.concurrency)
+        backend = EndpointBackend(args.endpoint, args.served_model, api_key, args.concurrency or 32)
         try:
             where = backend.connect()
             config = dataclasses.replace(config, model=backend.model)

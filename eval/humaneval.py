@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from qmc_sampler.eval.sandbox import SandboxLimits, SandboxResult, run_python
-from qmc_sampler.eval.tasks import Problem, Task, Verdict
+from qmc_sampler.eval.tasks import Problem, Task, Verdict, positive_option
 
 __all__ = ["HumanEvalTask", "build_program", "classify_run", "extract_code"]
 
@@ -48,7 +48,11 @@ class HumanEvalTask(Task):
     max_tokens = 384
 
     def __init__(self, cpu_seconds: int = 5, wall_seconds: float = 10.0, memory_mb: int = 512) -> None:
-        self.limits = SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb)
+        self.limits = SandboxLimits(
+            cpu_seconds=positive_option("cpu_seconds", cpu_seconds),
+            wall_seconds=positive_option("wall_seconds", wall_seconds, float),
+            memory_mb=positive_option("memory_mb", memory_mb),
+        )
         self._data: list[dict[str, Any]] | None = None
 
     def _problems(self) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qmc_sampler.eval.tasks import Problem, Task, Verdict
+from qmc_sampler.eval.tasks import Problem, Task, Verdict, positive_option
 from qmc_sampler.eval.verifiers import load_verifier
 
 __all__ = ["JsonlTask", "TaskFileError"]
@@ -40,7 +40,7 @@ class JsonlTask(Task):
 
     Raises:
         TaskFileError: the file is missing, or a line is malformed.
-        ValueError: an unknown verifier.
+        ValueError: an unknown verifier, or ``max_tokens`` not an integer >= 1.
     """
 
     def __init__(self, path: str, verifier: str = "answer_tag", max_tokens: int = 256) -> None:
@@ -48,7 +48,7 @@ class JsonlTask(Task):
         self.name = f"jsonl:{path}"
         self.verifier_name = verifier
         self.verify = load_verifier(verifier)
-        self.max_tokens = int(max_tokens)
+        self.max_tokens = positive_option("max_tokens", max_tokens)
         self.stop = ("</answer>",) if verifier in ("answer_tag", "numeric") else ()
         self._rows = _read(self.path)
 

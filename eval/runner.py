@@ -75,16 +75,26 @@ def group_seed(run_seed: int, task: str, problem: int | str, group: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def check_resumable(config: RunConfig) -> None:
-    """Refuse an ``--out`` that holds a run with other settings, writing nothing (the CLI asks this
-    before any model is converted or engine started).
+def check_resumable(config: RunConfig, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse an ``--out`` that cannot hold this run, writing nothing (the CLI asks this before any model
+    is converted, engine started or endpoint asked).
+
+    Args:
+        config: the run's settings.
+        ignore: settings not known yet, left out of the comparison (``model`` before endpoints answer).
 
     Raises:
-        RunError: ``config.out`` is a file, or its ``run.json`` is unreadable or records other settings.
+        RunError: ``config.out`` or a folder above it is a file or not writable, or its ``run.json`` is
+            unreadable or records other settings.
     """
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} is a file; give a folder (created if missing, resumed if it holds a run)")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise RunError(f"--out {out}: {existing} is a file, so the folder cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunError(f"--out {out}: {existing} is not writable")
     settings = out / SETTINGS
     if not settings.is_file():
         return
@@ -92,11 +102,13 @@ def check_resumable(config: RunConfig) -> None:
         previous = json.loads(settings.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunError(f"{settings} is not a run's settings file ({type(e).__name__}); use another --out") from None
-    identity = config.identity()
-    if previous != identity:
-        changed = sorted(k for k in identity if not isinstance(previous, dict) or previous.get(k) != identity[k])
+    identity = {k: v for k, v in config.identity().items() if k not in ignore}
+    if not isinstance(previous, dict):
+        raise RunError(f"{settings} is not a run's settings file (not a JSON object); use another --out")
+    changed = sorted({k for k in identity if previous.get(k) != identity[k]} | (set(previous) - set(config.identity())))
+    if changed:
         raise RunError(
-            f"{out} holds a run with other settings ({', '.join(changed) or 'its file'} differ); "
+            f"{out} holds a run with other settings ({', '.join(changed)} differ); "
             "use another --out or the same settings to resume"
         )
 

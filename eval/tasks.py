@@ -23,7 +23,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAILURES", "TASKS", "Problem", "ReasoningGymTask", "Task", "Verdict", "extract_answer", "get_task"]
+__all__ = [
+    "FAILURES",
+    "TASKS",
+    "Problem",
+    "ReasoningGymTask",
+    "Task",
+    "Verdict",
+    "extract_answer",
+    "get_task",
+    "positive_option",
+]
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Solve the problem, then give the final answer between <answer> and </answer> tags."
@@ -99,6 +109,23 @@ class Task(ABC):
     @abstractmethod
     def score(self, problem: Problem, completion: str) -> Verdict:
         """Whether ``completion`` solves ``problem``, and if not, why."""
+
+
+def positive_option(name: str, value: Any, kind: type = int) -> Any:
+    """A task option that must be an integer >= 1 (``kind`` int) or a finite number > 0 (``kind`` float).
+
+    Raises:
+        ValueError: naming ``--task-option NAME`` and the value, when it is not such a number.
+    """
+    try:
+        number = kind(value)
+        ok = not isinstance(value, bool) and 0 < number < float("inf") and (kind is float or number == float(value))
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        what = "an integer >= 1" if kind is int else "a finite number > 0"
+        raise ValueError(f"--task-option {name}={value!r} must be {what}")
+    return number
 
 
 def extract_answer(completion: str) -> str | None:

@@ -83,12 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cli_env_setup()
     parser = _parser()
-    args = parser.parse_args(argv)
-    # vLLM's own checks of the options, before the default model is converted or an engine started.
-    try:
-        _vllm_cli().validate_parsed_serve_args(args)
-    except (TypeError, ValueError) as e:
-        parser.error(str(e).removeprefix("Error: "))
+    try:  # --config files and positional/--model conflicts are read here (ValueError, OSError)
+        args = parser.parse_args(argv)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    _check_options(args, parser)
     _apply_defaults(args, parser)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.logger import configure_logging_from_args
@@ -96,6 +95,27 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging_from_args(args)
     ServeSubcommand.cmd(args)
     return 0
+
+
+#: vLLM's other names for the dtypes of :data:`qmc_sampler.cpu_defaults.DTYPES`.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _check_options(args: Any, parser: Any) -> None:
+    """Every check that needs no model, before the default model is converted or an engine started:
+    vLLM's own (``validate_parsed_serve_args``, and the ``--headless`` rule it applies only later) and
+    ours. A bad option exits with one line and code 2."""
+    try:
+        _vllm_cli().validate_parsed_serve_args(args)
+    except Exception as e:  # TypeError/ValueError, a missing --chat-template file, VLLMValidationError
+        parser.error(str(e).removeprefix("Error: "))
+    if getattr(args, "headless", False) and (getattr(args, "api_server_count", None) or 0) > 0:
+        parser.error(f"--api-server-count={args.api_server_count} cannot be used with --headless")
+    args.dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
+    import torch
+
+    if args.kv_cache_gb is not None and torch.cuda.is_available():
+        parser.error("--kv-cache-gb sizes the CPU KV cache; on a GPU use vLLM's --gpu-memory-utilization")
 
 
 def _apply_defaults(args: Any, parser: Any) -> None:

@@ -140,7 +140,14 @@ def empty_model_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--ray", "--task", "jsonl:{missing}"], "missing"),
+        (["--ray", "--task", "jsonl:{missing}"], "missing.jsonl: no such task file"),
+        (["--task", "jsonl:{tasks}", "--task-option", "max_tokens=0"], "--task-option max_tokens=0 must be an integer"),
+        (["--task", "humaneval", "--task-option", "memory_mb=-1"], "--task-option memory_mb=-1 must be an integer"),
+        (["--task", "basic_arithmetic", "--served-model", "m"], "--served-model: give --endpoint too"),
+        (["--task", "basic_arithmetic", "--concurrency", "4"], "--concurrency: give --endpoint too"),
+        (["--task", "basic_arithmetic", "--out", "{file}/sub"], "is a file, so the folder cannot be made"),
+        # The endpoint is never asked: --out is refused first.
+        (["--task", "basic_arithmetic", "--endpoint", "http://127.0.0.1:9", "--out", "{garbled}"], "settings file"),
         (["--ray", "--task", "basic_arithmetic", "--top-p", "2"], "--top-p=2.0 must be in (0, 1]"),
         (["--ray", "--task", "basic_arithmetic", "--task-option", "no_such_option=1"], "--task-option: "),
         (["--ray", "--task", "basic_arithmetic", "--out", "{other}"], "holds a run with other settings (n differ)"),
@@ -162,7 +169,9 @@ def test_bad_run_options_are_refused_before_the_default_model_is_converted(
     garbled.mkdir()
     (garbled / "run.json").write_text("{not json")
     (tmp_path / "file").write_text("")
-    paths = {"missing": tmp_path / "missing.jsonl", "other": other, "file": tmp_path / "file", "garbled": garbled}
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "q", "prompt": "1 + 1 =", "answer": "2"}) + "\n")
+    paths = {"missing": tmp_path / "missing.jsonl", "other": other, "file": tmp_path / "file", "garbled": garbled,
+             "tasks": tmp_path / "tasks.jsonl"}  # fmt: skip
     argv = [a.format(**paths) for a in argv]
     if "--out" not in argv:
         argv += ["--out", str(tmp_path / "out")]

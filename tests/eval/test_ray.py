@@ -108,12 +108,12 @@ def unbalanced(first_tokens: list[int], q: np.ndarray) -> dict[int, tuple[int, f
     }
 
 
-def qmc_eval(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def qmc_eval(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "qmc_sampler.eval", "run", "--quiet", *args],
         capture_output=True,
         text=True,
-        env=os.environ | ENGINE_ENV,
+        env=os.environ | ENGINE_ENV | (env or {}),
         timeout=timeout,
     )
 
@@ -277,12 +277,31 @@ def test_bad_ray_options_are_one_line_and_exit_code_2(ray_cluster, http_helpers,
         (["--ray", f"127.0.0.1:{free_port()}"], "cannot connect to the Ray cluster (ConnectionError: nothing answers"),
         (["--ray", ray_cluster, "--replicas", "4"], "--replicas 4: the Ray cluster has 4 CPUs and no GPU"),
     ]
+    cache = tmp_path / "model-cache"  # as on a new machine: the default model not converted yet
     for extra, message in cases:
-        done = qmc_eval(*common, *extra, timeout=300)
+        done = qmc_eval(*common, *extra, timeout=300, env={"QMC_SAMPLER_CACHE": str(cache)})
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2, (extra, done.stderr[-2000:])
         # (argparse's own errors name the subcommand: "qmc-eval run: error: …")
         assert len(lines) == 1 and lines[0].startswith("qmc-eval") and message in lines[0], (extra, lines)
+        assert not cache.exists(), (extra, sorted(cache.rglob("*")))  # refused before any conversion
+
+
+def test_without_a_model_the_default_one_is_found_once_the_cluster_is_checked(ray_cluster, tmp_path, monkeypatch):
+    from qmc_sampler.eval.ray_backend import RayBackendError
+
+    from qmc_sampler.models import DEFAULT_MODEL_NAME
+
+    monkeypatch.setenv("QMC_SAMPLER_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RayBackendError, match="--replicas 9: the Ray cluster has 4 CPUs"):
+        RayBackend(None, replicas=9).connect()  # this process's cluster: too small, so nothing converted
+    assert not (tmp_path / "cache").exists()
+    backend = RayBackend(None, replicas=2)
+    assert "2 vLLM replica(s) on CPU" in backend.connect()
+    assert (
+        backend.model == str(tmp_path / "cache" / DEFAULT_MODEL_NAME)
+        and (tmp_path / "cache" / DEFAULT_MODEL_NAME / "config.json").is_file()
+    )
 
 
 def test_ray_serve_llm_with_the_drop_in_serves_balanced_groups_on_cpu(

@@ -20,7 +20,11 @@ from qmc_sampler.server.main import main
         (["--kv-cache-gb", "0"], "argument --kv-cache-gb: 0 must be >= 1"),
         (["--dtype", "fp7"], "argument --dtype: invalid choice: 'fp7'"),
         (["--no-such-option"], "unrecognized arguments: --no-such-option"),
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),  # vLLM's own check
+        # vLLM's own checks, which used to run after the conversion (or not until the engine started):
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (["--chat-template", "/no/such/template.jinja"], "/no/such/template.jinja"),
+        (["--headless", "--api-server-count", "2"], "--api-server-count=2 cannot be used with --headless"),
+        (["--config", "/no/such/config.yaml"], "/no/such/config.yaml"),
     ],
 )
 def test_a_bad_option_is_one_line_and_exit_code_2_with_nothing_converted(tmp_path, monkeypatch, capsys, argv, message):
@@ -37,3 +41,15 @@ def test_a_bad_option_is_one_line_and_exit_code_2_with_nothing_converted(tmp_pat
     assert info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("qmc-serve: error: ") and message in err, err
     assert not cache.exists(), sorted(cache.rglob("*"))
+
+
+@pytest.mark.parametrize(("given", "taken"), [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")])
+def test_vllms_other_dtype_names_reach_the_cpu_defaults_as_their_own(given, taken):
+    from qmc_sampler.server.main import _check_options, _parser
+
+    from qmc_sampler.cpu_defaults import engine_dtype
+
+    parser = _parser()
+    args = parser.parse_args(["--dtype", given])
+    _check_options(args, parser)
+    assert args.dtype == taken and engine_dtype(args.dtype) == (taken, "as requested")  # was: refused after converting
