@@ -69,6 +69,8 @@ def _parser() -> Any:
                       help="member requests (n × prompts) in the engines at once; beyond: 429")  # fmt: skip
     ours.add_argument("--queue-timeout", type=_seconds, default=0.0, help="seconds a request waits for room (then 429)")
     ours.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
+    ours.add_argument("--invocations-without-key", action="store_true",
+                      help="serve /invocations without the API key (authenticated in front, as SageMaker)")  # fmt: skip
     ours.add_argument("--kv-cache-gb", type=_positive, default=None, help="CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)")
     parser.set_defaults(model=None, enforce_eager=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     return parser

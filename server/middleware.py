@@ -66,8 +66,16 @@ class _Server:
 
     def authorized(self, scope: dict[str, Any]) -> bool:
         """vLLM's own decision for this request's ``Authorization`` header (its check, reused);
-        vLLM asks for it on the paths under its ``GUARDED_PREFIX`` only (not ``/invocations``)."""
+        vLLM asks for it on the paths under its ``GUARDED_PREFIX`` only, qmc-serve on ``/invocations``
+        and ``/stats`` too (see :meth:`key_needed`)."""
         return self.auth is None or self.auth.verify_token(Headers(scope=scope))
+
+    def key_needed(self, path: str) -> bool:
+        """Whether a POST to ``path`` needs the key: vLLM's guarded paths, and ``/invocations`` (vLLM leaves
+        it open, for SageMaker's own authentication in front) unless ``--invocations-without-key``."""
+        if path.startswith(GUARDED_PREFIX):
+            return True
+        return path == INVOCATIONS and not getattr(self.args, "invocations_without_key", False)
 
 
 class QMCServeMiddleware:
@@ -97,9 +105,12 @@ class QMCServeMiddleware:
         if scope["method"] != "POST" or not (mapped or path in OTHER_SAMPLING_ROUTES):
             await self.app(scope, receive, send)
             return
-        if path.startswith(GUARDED_PREFIX) and not server.authorized(scope):
+        if server.key_needed(path) and not server.authorized(scope):
             METRICS.rejected.labels(RejectedBy.AUTH).inc()
-            await self.app(scope, receive, send)  # vLLM's key check answers 401
+            if path.startswith(GUARDED_PREFIX):
+                await self.app(scope, receive, send)  # vLLM's key check answers 401
+            else:  # /invocations, which vLLM would serve: nothing generates without the key
+                await _respond(send, 401, {"error": "Unauthorized"})  # vLLM's 401 body
             return
         if server.closing:
             await _refuse(send, FieldError("the server is shutting down", None, status=503), RejectedBy.CLOSING)

@@ -116,3 +116,43 @@ def test_nothing_is_added_after_an_error_event():
     error = ErrorResponse(error=ErrorInfo(message="boom", type="InternalServerError", code=500))
     events = relay({"prompt": "x", "n": 2, "stream": True}, [completion_chunk(0, "a"), json.dumps(error.model_dump())])
     assert len(events) == 2 and "error" in events[1]
+
+
+def invocation(without_key_flag: bool, headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
+    """POST /invocations through qmc-serve's middleware over a stand-in for vLLM's app, on a server
+    with an API key: (status, whether the request reached vLLM's app)."""
+    from types import SimpleNamespace
+
+    from qmc_sampler.server.middleware import QMCServeMiddleware
+
+    reached = []
+
+    async def vllm_app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"choices": []}', "more_body": False})
+
+    args = SimpleNamespace(api_key=["k3y"], api_server_count=1, max_members_in_flight=8, queue_timeout=0.0,
+                           max_body_bytes=1 << 16, sampler="lattice", max_n=8,
+                           invocations_without_key=without_key_flag)  # fmt: skip
+    app = SimpleNamespace(state=SimpleNamespace(args=args, engine_client=None))
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/invocations", "app": app,
+             "headers": [(b"content-type", b"application/json"), *headers]}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(QMCServeMiddleware(vllm_app)(scope, receive, send))
+    return sent[0]["status"], bool(reached)
+
+
+def test_invocations_need_the_key_unless_the_server_opts_out():
+    assert invocation(False, []) == (401, False)
+    assert invocation(False, [(b"authorization", b"Bearer nope")]) == (401, False)
+    assert invocation(False, [(b"authorization", b"Bearer k3y")]) == (200, True)
+    assert invocation(True, []) == (200, True)  # --invocations-without-key: authenticated in front

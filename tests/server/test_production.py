@@ -345,16 +345,18 @@ def test_invocations_serve_completion_and_chat_bodies_with_their_design(server):
         assert first_tokens(sagemaker) == first_tokens(completion(server, body, route))  # the same group
 
 
-def test_invocations_without_a_key_are_served_as_vllm_serves_them_with_their_design(server):
-    # vLLM guards /v1, /v2, /inference and /cohere only (SageMaker authenticates /invocations
-    # itself): qmc-serve decides as vLLM does, and what vLLM serves gets its design.
+def test_invocations_without_the_key_are_refused_before_anything_is_generated(server):
+    # vLLM guards /v1, /v2, /inference and /cohere only; qmc-serve guards /invocations too (its
+    # --invocations-without-key opts out, for SageMaker-style authentication in front).
     body = {"prompt": PROMPT, "n": 2, "max_tokens": 1, "sampler": "stratified", "sampler_seed": 4}
-    no_key = {"Content-Type": "application/json"}
-    response = completion(server, body, "/invocations", headers=no_key)
-    assert response.status_code == 200, response.text
-    assert (response.json()["sampler"], response.json()["sampler_seed"]) == ("stratified", 4)
-    refused = completion(server, body | {"sampler_group_size": 2**40}, "/invocations", headers=no_key)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampler_group_size"
+    before = httpx.get(server["url"] + "/stats", headers=auth(), timeout=30).json()["engines"]
+    for headers in ({"Content-Type": "application/json"}, auth("wrong-key")):
+        response = completion(server, body, "/invocations", headers=headers)
+        assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}, response.text
+    after = httpx.get(server["url"] + "/stats", headers=auth(), timeout=30).json()["engines"]
+    assert [e["admitted"] for e in after] == [e["admitted"] for e in before]  # no member reached an engine
+    response = completion(server, body, "/invocations", headers=auth() | {"Authorization": f"bearer {KEY}"})
+    assert response.status_code == 200 and response.json()["sampler"] == "stratified", response.text
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses", "/invocations"])
