@@ -100,12 +100,20 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         raise FieldError(f"sampler={sampler!r} is not a design; use one of {list(METHODS)}", "sampler")
     sources = [("sampler_seed", body.get("sampler_seed")), ("vllm_xargs", xargs.get("qmc_seed"))]
     sources.append(("seed", body.get("seed")))
-    named, seed = next(((k, s) for k, s in sources if s is not None), (None, None))
-    if named is not None:
+    given = [(k, s) for k, s in sources if s is not None]
+    for key, value in given:
         try:
-            check_int(named if named != "vllm_xargs" else "vllm_xargs 'qmc_seed'", seed, SEED_MIN, SEED_MAX)
+            check_int(key if key != "vllm_xargs" else "vllm_xargs 'qmc_seed'", value, SEED_MIN, SEED_MAX)
         except ValueError as e:
-            raise FieldError(str(e), named) from None
+            raise FieldError(str(e), key) from None
+    seed = given[0][1] if given else None
+    ours = {k: v for k, v in given if k != "seed"}  # vLLM's own seed counts only where neither of ours is sent
+    if len(ours) == 2 and ours["sampler_seed"] != ours["vllm_xargs"]:
+        raise FieldError(  # else the reply would name one seed and the group use the other
+            f"sampler_seed={ours['sampler_seed']} and vllm_xargs 'qmc_seed'={ours['vllm_xargs']} disagree: "
+            "send one of them (or the same value in both)",
+            "sampler_seed",
+        )
     offset = _int(body, "sampler_offset", 0, low=0, high=MAX_GROUP_SIZE - 1)
     size = _int(body, "sampler_group_size", None, low=1, high=MAX_GROUP_SIZE)
     asked = sampler or xargs.get("qmc_method")

@@ -301,6 +301,9 @@ def resolve(params: Any) -> QMCRequest | None:
     if facts is not None and not _engine_can_serve(facts, explicit_design="qmc_method" in extra):
         return None
     if params.seed is not None:
+        # vLLM bounds a served request's seed, not an offline SamplingParams': checked here, in the
+        # front end, so that a bad one is this request's error and never the engine step's.
+        check_int("seed", params.seed, SEED_MIN, SEED_MAX)
         extra[_USER_SEED] = params.seed
         params.seed = None
     seed = extra.get("qmc_seed", extra.get(_USER_SEED))

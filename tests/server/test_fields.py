@@ -39,6 +39,16 @@ def test_an_n1_request_joins_its_prompts_auto_group_on_the_engine_its_prompt_pic
     assert chat.placement == plan({"messages": [{"role": "user", "content": "hi"}]}, chat=True).placement
 
 
+def test_two_different_qmc_seeds_are_refused_so_the_reply_names_the_groups_own():
+    mine = {"qmc_group": "g7", "qmc_index": 3, "qmc_n": 8, "qmc_seed": 1}
+    with pytest.raises(FieldError, match=r"sampler_seed=2 and vllm_xargs 'qmc_seed'=1 disagree") as info:
+        plan({"prompt": "x", "sampler_seed": 2, "vllm_xargs": mine})
+    assert info.value.param == "sampler_seed"
+    assert plan({"prompt": "x", "sampler_seed": 1, "vllm_xargs": mine}).seed == 1  # the same value in both
+    with pytest.raises(FieldError, match="disagree"):
+        plan({"prompt": "x", "n": 2, "sampler_seed": 2, "vllm_xargs": {"qmc_seed": 1}})
+
+
 def test_a_callers_own_group_in_vllm_xargs_is_kept():
     mine = {"qmc_group": "g7", "qmc_index": 3, "qmc_n": 8, "qmc_seed": 1}
     p = plan({"prompt": "x", "vllm_xargs": mine})

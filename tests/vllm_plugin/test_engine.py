@@ -166,6 +166,15 @@ def test_a_vllm_seed_gives_the_group_seed_and_n_children_still_form_one_group(ll
     assert np.all((counts == np.floor(nq)) | (counts == np.ceil(nq)))
 
 
+def test_a_seed_beyond_64_bits_is_the_requests_error_and_the_engine_serves_on(llm):
+    from vllm.exceptions import VLLMValidationError  # vLLM wraps validate_params' ValueError (HTTP 400)
+
+    bad = SamplingParams(n=2, max_tokens=2, seed=2**64, extra_args={"qmc_method": "lattice"})
+    with pytest.raises(VLLMValidationError, match="seed=18446744073709551616 must be an integer between"):
+        llm.generate([{"prompt_token_ids": PROMPT}], bad, use_tqdm=False)
+    assert len(generate(llm, [PROMPT], sampling(CONFIGS["plain"], seed=1, max_tokens=2))[0]) == N
+
+
 def test_drop_in_environment_setting_needs_no_client_change(llm, hf_model, monkeypatch):
     # validate_params runs in this (front-end) process, so the variable takes effect per request.
     monkeypatch.setenv("QMC_SAMPLER", "lattice")

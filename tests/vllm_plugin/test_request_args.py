@@ -38,6 +38,13 @@ def test_the_vllm_seed_becomes_the_group_seed_and_leaves_vllm():
     assert resolve(sp).seed == 123  # and the params object keeps working when reused
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_vllm_seed_beyond_64_bits_is_refused_naming_it(seed):
+    # vLLM's server bounds it; an offline SamplingParams does not, and the engine step must never see it.
+    with pytest.raises(ValueError, match=rf"seed={seed} must be an integer between -9223372036854775808 and"):
+        resolve(SamplingParams(n=2, seed=seed, extra_args={"qmc_method": "lattice"}))
+
+
 def test_no_design_means_no_placement_and_no_stale_keys():
     sp = SamplingParams(n=4, extra_args={"qmc_method": "lattice"})
     resolve(sp)
