@@ -12,6 +12,7 @@ multi-prompt completion request.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import hashlib
@@ -339,11 +340,7 @@ def resolve(params: Any) -> QMCRequest | None:
         )  # fmt: skip
     else:
         if not get_design(method).extensible:
-            logger.warning(
-                "qmc-sampler: %r needs its group size, which repeated n = 1 requests do not give; "
-                "they are grouped as an extensible lattice instead",
-                method,
-            )
+            _count_lattice_instead(method)
             method = "lattice"
         request = QMCRequest(
             AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl(),
@@ -355,6 +352,23 @@ def resolve(params: Any) -> QMCRequest | None:
     ]  # fmt: skip
     params.extra_args = extra
     return request
+
+
+#: Repeated n = 1 requests of a design that needs its group size, grouped as a lattice instead, by design.
+LATTICE_INSTEAD: collections.Counter[str] = collections.Counter()
+
+
+def _count_lattice_instead(method: str) -> None:
+    """Count one such request; log at the 1st, 2nd, 4th, 8th, … of each design (said, never a flood)."""
+    LATTICE_INSTEAD[method] += 1
+    count = LATTICE_INSTEAD[method]
+    if count & (count - 1) == 0:
+        logger.warning(
+            "qmc-sampler: %r needs its group size, which repeated n = 1 requests do not give; they are grouped "
+            "as an extensible lattice instead (%d such requests so far in this process; logged at powers of two)",
+            method,
+            count,
+        )
 
 
 def _engine_can_serve(facts: EngineFacts, explicit_design: bool) -> bool:

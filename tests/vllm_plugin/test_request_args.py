@@ -85,20 +85,27 @@ def test_auto_groups_carry_the_params_fingerprint_and_the_front_end_clock(monkey
     assert a.ttl == 7.5 and a.arrival > 1e9
 
 
-def test_designs_that_need_a_size_are_auto_grouped_as_lattices(caplog):
+def test_designs_that_need_a_size_are_auto_grouped_as_lattices_said_and_counted_not_flooded(caplog, monkeypatch):
+    import collections
     import logging
 
+    import qmc_sampler.vllm_plugin.request_args as request_args
+
+    monkeypatch.setattr(request_args, "LATTICE_INSTEAD", collections.Counter())  # this test's requests only
     # vLLM's logging setup stops "vllm.*" loggers from propagating to the root logger, and
     # imports elsewhere in a test session can raise the root level: capture at WARNING here.
     logger = logging.getLogger("vllm.qmc_sampler")
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.qmc_sampler"):
-            request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"}))
+            requests = [resolve(SamplingParams(n=1, extra_args={"qmc_method": "stratified"})) for _ in range(100)]
     finally:
         logger.removeHandler(caplog.handler)
-    assert request.method == "lattice"
-    assert "needs its group size" in caplog.text
+    assert {r.method for r in requests} == {"lattice"}
+    # (a record can reach the capture twice: through this handler and through propagation, where on)
+    said = list(dict.fromkeys(r.getMessage() for r in caplog.records if "needs its group size" in r.getMessage()))
+    assert [int(m.split("(")[1].split()[0]) for m in said] == [1, 2, 4, 8, 16, 32, 64]  # a line per doubling
+    assert request_args.LATTICE_INSTEAD == {"stratified": 100}
 
 
 def test_caller_fan_out_keys():
