@@ -107,13 +107,6 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         except ValueError as e:
             raise FieldError(str(e), key) from None
     seed = given[0][1] if given else None
-    ours = {k: v for k, v in given if k != "seed"}  # vLLM's own seed counts only where neither of ours is sent
-    if len(ours) == 2 and ours["sampler_seed"] != ours["vllm_xargs"]:
-        raise FieldError(  # else the reply would name one seed and the group use the other
-            f"sampler_seed={ours['sampler_seed']} and vllm_xargs 'qmc_seed'={ours['vllm_xargs']} disagree: "
-            "send one of them (or the same value in both)",
-            "sampler_seed",
-        )
     offset = _int(body, "sampler_offset", 0, low=0, high=MAX_GROUP_SIZE - 1)
     size = _int(body, "sampler_group_size", None, low=1, high=MAX_GROUP_SIZE)
     asked = sampler or xargs.get("qmc_method")
@@ -136,6 +129,13 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
     out = {k: v for k, v in body.items() if k not in FIELDS}
     if method is None:
         return Plan(out, None, None, n, members, groups, None)
+    ours = {k: v for k, v in given if k != "seed"}  # vLLM's own seed counts only where neither of ours is sent
+    if len(ours) == 2 and ours["sampler_seed"] != ours["vllm_xargs"]:
+        raise FieldError(  # else the reply would name one seed and the group use the other
+            f"sampler_seed={ours['sampler_seed']} and vllm_xargs 'qmc_seed'={ours['vllm_xargs']} disagree: "
+            "send one of them (or the same value in both)",
+            "sampler_seed",
+        )
     xargs = dict(xargs, qmc_method=method)
     if "qmc_group" in xargs:  # the caller's own explicit group, as on vllm serve
         if offset or size is not None:

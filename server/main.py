@@ -17,6 +17,7 @@ from qmc_sampler.designs import METHODS
 __all__ = ["main"]
 
 API_KEY_ENV = "QMC_SERVE_API_KEY"
+OPEN_INVOCATIONS_ENV = "QMC_SERVE_INVOCATIONS_WITHOUT_KEY"  # =1: as --invocations-without-key
 MIDDLEWARE = "qmc_sampler.server.middleware.QMCServeMiddleware"
 SHUTDOWN_TIMEOUT_S = 30
 
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:  # --config files and positional/--model conflicts are read here (ValueError, OSError)
         args = parser.parse_args(argv)
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
+    except Exception as e:  # ValueError, OSError, a malformed YAML file: one line, not a traceback
+        parser.error(str(e) or type(e).__name__)
     _check_options(args, parser)
     _apply_defaults(args, parser)
     from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -150,6 +151,12 @@ def _apply_defaults(args: Any, parser: Any) -> None:
         args.enforce_eager = device == "cpu"  # torch.compile costs minutes on a CPU; CUDA graphs stay on a GPU
     if not (args.api_key or os.environ.get("VLLM_API_KEY")) and os.environ.get(API_KEY_ENV):
         os.environ["VLLM_API_KEY"] = os.environ[API_KEY_ENV]  # not on the command line, where `ps` shows it
+    if os.environ.get(OPEN_INVOCATIONS_ENV) == "1":  # containers are configured through their environment
+        args.invocations_without_key = True
+    if args.api_key or os.environ.get("VLLM_API_KEY"):
+        where = ("/generative_scoring needs it too; /invocations is open (--invocations-without-key)"
+                 if args.invocations_without_key else "/invocations and /generative_scoring need it too")  # fmt: skip
+        print(f"qmc-serve: API key set; {where}", flush=True)
     # The plugin's drop-in gives every route's sampled requests the server's design (auto groups of
     # n = 1 repeats, one group per n > 1 request), not only the two routes the middleware maps.
     from qmc_sampler.vllm_plugin.request_args import ENV_METHOD

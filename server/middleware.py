@@ -47,7 +47,11 @@ OTHER_SAMPLING_ROUTES = (
     "/inference/v1/generate",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
+    "/generative_scoring",
 )
+#: Routes that run the engine which vLLM leaves without its key check (outside ``GUARDED_PREFIX``):
+#: qmc-serve asks for the key there too, so that with a key set nothing generates without it.
+UNGUARDED_BY_VLLM = (INVOCATIONS, "/generative_scoring")
 #: Seconds aborted responses get to send their last chunk and ``[DONE]`` on shutdown.
 ABORT_FLUSH_S = 5.0
 _ID = re.compile(rb'"id":\s*"([^"]*)"')
@@ -71,11 +75,23 @@ class _Server:
         return self.auth is None or self.auth.verify_token(Headers(scope=scope))
 
     def key_needed(self, path: str) -> bool:
-        """Whether a POST to ``path`` needs the key: vLLM's guarded paths, and ``/invocations`` (vLLM leaves
-        it open, for SageMaker's own authentication in front) unless ``--invocations-without-key``."""
-        if path.startswith(GUARDED_PREFIX):
-            return True
-        return path == INVOCATIONS and not getattr(self.args, "invocations_without_key", False)
+        """Whether a POST to ``path`` needs the key: vLLM's guarded paths, and the routes of
+        :data:`UNGUARDED_BY_VLLM` (``/invocations`` not with ``--invocations-without-key``, for a
+        deployment that authenticates in front, as SageMaker does)."""
+        if path == INVOCATIONS and getattr(self.args, "invocations_without_key", False):
+            return False
+        return path.startswith(GUARDED_PREFIX) or path in UNGUARDED_BY_VLLM
+
+
+def _route_path(scope: dict[str, Any]) -> str:
+    """The path the app's router matches: ``root_path`` removed only at a ``/`` boundary, as
+    Starlette's ``get_route_path`` does (so ``--root-path /`` leaves ``/invocations`` whole)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
 
 
 class QMCServeMiddleware:
@@ -93,7 +109,7 @@ class QMCServeMiddleware:
             await self.app(scope, receive, send)
             return
         server = self._server(scope)
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        path = _route_path(scope)
         if path == "/stats" and scope["method"] == "GET":
             if not server.authorized(scope):  # it reaches every engine: behind the key like /v1
                 METRICS.rejected.labels(RejectedBy.AUTH).inc()
@@ -107,10 +123,9 @@ class QMCServeMiddleware:
             return
         if server.key_needed(path) and not server.authorized(scope):
             METRICS.rejected.labels(RejectedBy.AUTH).inc()
-            if path.startswith(GUARDED_PREFIX):
-                await self.app(scope, receive, send)  # vLLM's key check answers 401
-            else:  # /invocations, which vLLM would serve: nothing generates without the key
-                await _respond(send, 401, {"error": "Unauthorized"})  # vLLM's 401 body
+            # Answered here, not left to vLLM's check, which misses its own routes under some
+            # --root-path values ("/") and never sees UNGUARDED_BY_VLLM; the body is vLLM's 401.
+            await _respond(send, 401, {"error": "Unauthorized"})
             return
         if server.closing:
             await _refuse(send, FieldError("the server is shutting down", None, status=503), RejectedBy.CLOSING)

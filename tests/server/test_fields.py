@@ -47,6 +47,8 @@ def test_two_different_qmc_seeds_are_refused_so_the_reply_names_the_groups_own()
     assert plan({"prompt": "x", "sampler_seed": 1, "vllm_xargs": mine}).seed == 1  # the same value in both
     with pytest.raises(FieldError, match="disagree"):
         plan({"prompt": "x", "n": 2, "sampler_seed": 2, "vllm_xargs": {"qmc_seed": 1}})
+    greedy = {"prompt": "x", "temperature": 0, "sampler_seed": 2, "vllm_xargs": {"qmc_seed": 1}}
+    assert plan(greedy).design is None  # no design, so neither seed is used: nothing to disagree about
 
 
 def test_a_callers_own_group_in_vllm_xargs_is_kept():

@@ -53,3 +53,20 @@ def test_vllms_other_dtype_names_reach_the_cpu_defaults_as_their_own(given, take
     args = parser.parse_args(["--dtype", given])
     _check_options(args, parser)
     assert args.dtype == taken and engine_dtype(args.dtype) == (taken, "as requested")  # was: refused after converting
+
+
+def test_the_environment_opens_invocations_as_the_flag_does(monkeypatch):
+    from qmc_sampler.server.main import OPEN_INVOCATIONS_ENV, _apply_defaults, _parser
+
+    parser = _parser()
+    args = parser.parse_args(["--model", "/some/model", "--invocations-without-key"])
+    assert args.invocations_without_key
+    args = parser.parse_args(["--model", "/some/model"])
+    monkeypatch.setenv(OPEN_INVOCATIONS_ENV, "1")
+    saved = dict(os.environ)
+    try:
+        _apply_defaults(args, parser)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert args.invocations_without_key

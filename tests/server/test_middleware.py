@@ -118,9 +118,9 @@ def test_nothing_is_added_after_an_error_event():
     assert len(events) == 2 and "error" in events[1]
 
 
-def invocation(without_key_flag: bool, headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
-    """POST /invocations through qmc-serve's middleware over a stand-in for vLLM's app, on a server
-    with an API key: (status, whether the request reached vLLM's app)."""
+def post_through_the_middleware(path: str, headers=(), root_path: str = "", without_key_flag: bool = False):
+    """POST ``path`` through qmc-serve's middleware over a stand-in for vLLM's app, on a server with an API
+    key: (status, whether the request reached vLLM's app)."""
     from types import SimpleNamespace
 
     from qmc_sampler.server.middleware import QMCServeMiddleware
@@ -137,8 +137,8 @@ def invocation(without_key_flag: bool, headers: list[tuple[bytes, bytes]]) -> tu
                            invocations_without_key=without_key_flag)  # fmt: skip
     app = SimpleNamespace(state=SimpleNamespace(args=args, engine_client=None))
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
-    scope = {"type": "http", "method": "POST", "path": "/invocations", "app": app,
-             "headers": [(b"content-type", b"application/json"), *headers]}  # fmt: skip
+    scope = {"type": "http", "method": "POST", "path": root_path.rstrip("/") + path, "root_path": root_path,
+             "app": app, "headers": [(b"content-type", b"application/json"), *headers]}  # fmt: skip
     sent = []
 
     async def receive():
@@ -151,8 +151,19 @@ def invocation(without_key_flag: bool, headers: list[tuple[bytes, bytes]]) -> tu
     return sent[0]["status"], bool(reached)
 
 
-def test_invocations_need_the_key_unless_the_server_opts_out():
-    assert invocation(False, []) == (401, False)
-    assert invocation(False, [(b"authorization", b"Bearer nope")]) == (401, False)
-    assert invocation(False, [(b"authorization", b"Bearer k3y")]) == (200, True)
-    assert invocation(True, []) == (200, True)  # --invocations-without-key: authenticated in front
+KEY = [(b"authorization", b"Bearer k3y")]
+
+
+@pytest.mark.parametrize("root_path", ["", "/", "/inv", "/api"])
+@pytest.mark.parametrize("path", ["/invocations", "/generative_scoring", "/v1/completions", "/v1/responses"])
+def test_nothing_generates_without_the_key_whatever_the_root_path(path, root_path):
+    # "/" and "/inv" are root paths under which a plain prefix cut would misread the route
+    # (vLLM's own check misses "/v1" under "/").
+    assert post_through_the_middleware(path, (), root_path) == (401, False)
+    assert post_through_the_middleware(path, [(b"authorization", b"Bearer nope")], root_path) == (401, False)
+    assert post_through_the_middleware(path, KEY, root_path) == (200, True)
+
+
+def test_invocations_alone_are_open_when_the_server_opts_out():
+    assert post_through_the_middleware("/invocations", without_key_flag=True) == (200, True)  # authenticated in front
+    assert post_through_the_middleware("/generative_scoring", without_key_flag=True) == (401, False)
