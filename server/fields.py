@@ -18,7 +18,7 @@ from typing import Any
 
 from qmc_sampler.vllm_plugin.request_args import check_extra_args
 
-from qmc_sampler.designs import METHODS
+from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int
 from qmc_sampler.processing import SAMPLING_EPS
 
@@ -145,6 +145,9 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         if seed is not None:
             xargs.setdefault("qmc_seed", seed)
     elif n == 1 and offset == 0 and size is None:  # one repeat of its prompt: the auto group
+        if not get_design(method).extensible:  # it has no size: the plugin would group it as a lattice
+            method = "lattice"  # (said in the reply's sampler, not only in the engine's log)
+            xargs["qmc_method"] = method
         if seed is not None:
             xargs["qmc_seed"] = seed
         out["vllm_xargs"] = xargs

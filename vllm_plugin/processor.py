@@ -104,6 +104,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             "interface": self.interface,
             "rows": len(self.v1.rows) + (len(self.mrv2.slots) if self.mrv2 is not None else 0),
             "admitted": reg.admitted,
+            "admitted_by_design": dict(reg.admitted_by_design),
             "restored": reg.restored,
             "lost": reg.lost,
             "unsampleable": reg.unsampleable,

@@ -198,6 +198,8 @@ class RegistryStats:
     parked_dropped: int = 0  # parked members dropped: their group key held max_parked_per_key
     parked_evicted: int = 0  # parked members dropped: the registry held max_parked
     parked_expired: int = 0  # parked members forgotten with their auto group (TTL or eviction)
+    #: ``admitted`` by the design each member draws with (what a client can check a reply's label against)
+    admitted_by_design: dict[str, int] = field(default_factory=dict)
 
 
 class DevicePool:
@@ -372,6 +374,8 @@ class MemberRegistry:
         state = MemberState(spec=placement.spec, member=placement.member, fresh=placement.fresh)
         member = Member(placement, state, sampling, key, identity)
         self.stats.admitted += 1
+        by_design = self.stats.admitted_by_design
+        by_design[placement.spec.method] = by_design.get(placement.spec.method, 0) + 1
         self.resolver.joined(placement)
         if output_ids:
             self._lose(member, len(output_ids))

@@ -20,6 +20,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from qmc_sampler.designs import METHODS, get_design  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 EXAMPLES = int(os.environ.get("QMC_FUZZ_EXAMPLES", "60"))
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/invocations")
@@ -128,13 +130,26 @@ def send(url, route, body):
 
 
 def asked_design(body):
-    """The design a 200 must report: the body's ``sampler`` (greedy bodies report none), or None
+    """The design a 200 must report and the engine draw with: the body's ``sampler`` ("greedy" for
+    greedy bodies: none), a lattice for lone repeats of a design that needs its group size, or None
     where the body leaves it to other fields."""
     sampler, temperature = body.get("sampler"), body.get("temperature")
     if not isinstance(sampler, str) or body.get("vllm_xargs"):
         return None
     greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < 1e-5
-    return "greedy" if greedy else sampler
+    if greedy:
+        return "greedy"
+    lone = body.get("n", 1) == 1 and body.get("sampler_offset", 0) == 0 and "sampler_group_size" not in body
+    return "lattice" if lone and sampler in METHODS and not get_design(sampler).extensible else sampler
+
+
+def admitted_by_design(url):
+    """The plugin's admitted members by design, summed over the server's engines (what the engines did)."""
+    total: dict[str, int] = {}
+    for engine in httpx.get(url + "/stats", timeout=60).json()["engines"]:
+        for design, count in engine["admitted_by_design"].items():
+            total[design] = total.get(design, 0) + count
+    return total
 
 
 def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
@@ -151,12 +166,17 @@ def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
     @example(edge(vllm_xargs={"qmc_method": "lattice", "qmc_group": "g" * 10_000, "qmc_n": 2}))
     def one(request):
         route, body = request
+        asked = asked_design(body)
+        before = admitted_by_design(url) if asked is not None else {}
         status, reported = send(url, route, body)
         statuses[status] = statuses.get(status, 0) + 1
         assert status == 200 or 400 <= status < 500, (status, route, body)
-        asked = asked_design(body)
         if status == 200 and asked is not None:  # never less than asked without a word
             assert reported == (None if asked == "greedy" else asked), (reported, route, body)
+            # ...and the engines drew with it: the reply's label is not enough (qmc-serve writes it).
+            after = admitted_by_design(url)
+            drawn = {d: after[d] - before.get(d, 0) for d in after if after[d] != before.get(d, 0)}
+            assert set(drawn) == (set() if asked == "greedy" else {asked}), (drawn, route, body)
 
     one()
     assert statuses.get(200, 0) >= EXAMPLES // 10 and any(400 <= s < 500 for s in statuses), statuses
