@@ -230,7 +230,8 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         ``restored`` members resumed after preemption, ``lost`` members that continued
         with fresh uniforms, ``unsampleable`` rows left to the engine (NaN or nothing
         admissible), ``overflow`` arrivals beyond a group's n, ``auto_*`` the
-        auto-grouping counters, ``rows`` members in the batch now, ``parked`` members kept for
+        auto-grouping counters, ``admitted_by_design`` the members admitted by the design they draw
+        with, ``rows`` members in the batch now, ``parked`` members kept for
         resumption, ``parked_dropped``/``parked_evicted``/``parked_expired`` those dropped by the
         per-key bound, the global bound, or with their auto group.
     """
@@ -242,8 +243,12 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
     sampler = getattr(runner, "sampler", None)
     found += [p for p in getattr(sampler, "logits_processors", []) if isinstance(p, QMCLogitsProcessor)]
     totals: dict[str, Any] = {"processors": len(found), "interface": found[0].interface if found else None}
+    totals["admitted_by_design"] = {}
     for proc in found:
         for key, value in proc.stats().items():
-            if key != "interface":
+            if key == "admitted_by_design":  # {design: members}: summed design by design
+                for design, count in value.items():
+                    totals[key][design] = totals[key].get(design, 0) + count
+            elif key != "interface":
                 totals[key] = totals.get(key, 0) + value
     return totals
