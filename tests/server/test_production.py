@@ -74,7 +74,7 @@ def test_every_v1_route_needs_the_key(server, method, path, body):
     url = server["url"] + path
     for headers in ({}, auth("wrong"), {"Authorization": KEY}):
         response = httpx.request(method, url, json=body, headers=headers)
-        assert response.status_code == 401, (path, headers, response.text)  # vLLM's own key check
+        assert response.status_code == 401, (path, headers, response.text)  # vLLM's key check (ours on POSTs)
         assert KEY not in response.text
     assert httpx.request(method, url, json=body, headers=auth()).status_code == 200
 
