@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from qmc_sampler.vllm_plugin.request_args import check_extra_args
+from qmc_sampler.vllm_plugin.request_args import ENV_AUTO_GROUP, check_extra_args
 
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int
@@ -111,7 +112,7 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
     size = _int(body, "sampler_group_size", None, low=1, high=MAX_GROUP_SIZE)
     asked = sampler or xargs.get("qmc_method")
     method = asked or default_sampler
-    temperature = body.get("temperature")
+    temperature = as_number(body.get("temperature"))  # as vLLM's parser reads it ("0", false: greedy too)
     if isinstance(temperature, int | float) and temperature < SAMPLING_EPS:
         if asked not in (None, "iid"):
             raise FieldError(
@@ -145,7 +146,8 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         if seed is not None:
             xargs.setdefault("qmc_seed", seed)
     elif n == 1 and offset == 0 and size is None:  # one repeat of its prompt: the auto group
-        if not get_design(method).extensible:  # it has no size: the plugin would group it as a lattice
+        auto = xargs.get("qmc_auto_group", 1) not in (0, False) and os.environ.get(ENV_AUTO_GROUP) != "0"
+        if auto and not get_design(method).extensible:  # it has no size: the plugin groups it as a lattice
             method = "lattice"  # (said in the reply's sampler, not only in the engine's log)
             xargs["qmc_method"] = method
         if seed is not None:
@@ -198,3 +200,16 @@ def _prompt_count(prompt: Any) -> int:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         return len(prompt)
     return 1
+
+
+def as_number(value: Any) -> Any:
+    """``value`` as vLLM's request parser (pydantic, lax) reads a float field: a bool or a numeric
+    string becomes its number; anything else is returned as it is (vLLM refuses it)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value

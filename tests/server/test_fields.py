@@ -114,3 +114,19 @@ def test_json_booleans_in_vllm_xargs_mean_what_vllm_parses_them_to():
     assert off.body["vllm_xargs"]["qmc_auto_group"] == 0
     seeded = plan({"prompt": "x", "n": 2, "vllm_xargs": {"qmc_seed": True}})
     assert seeded.seed == 1
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.0", False, 0])
+def test_a_greedy_temperature_is_read_as_vllm_reads_it(temperature):
+    with pytest.raises(FieldError, match="is greedy decoding") as info:
+        plan({"prompt": "x", "n": 2, "sampler": "lattice", "temperature": temperature})
+    assert info.value.param == "temperature"
+    assert plan({"prompt": "x", "n": 2, "sampler": "iid", "temperature": temperature}).design is None
+
+
+def test_a_lone_repeat_keeps_its_design_where_auto_groups_are_off(monkeypatch):
+    assert plan({"prompt": "x", "sampler": "stratified"}).design == "lattice"  # grouped as one by the plugin
+    off = plan({"prompt": "x", "sampler": "stratified", "vllm_xargs": {"qmc_auto_group": 0}})
+    assert off.design == "stratified" and off.body["vllm_xargs"]["qmc_method"] == "stratified"
+    monkeypatch.setenv("QMC_SAMPLER_AUTO_GROUP", "0")
+    assert plan({"prompt": "x", "sampler": "stratified"}).design == "stratified"

@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM not installed")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from qmc_sampler.server.fields import as_number  # noqa: E402
 
 from qmc_sampler.designs import METHODS, get_design  # noqa: E402
 
@@ -133,10 +134,10 @@ def asked_design(body):
     """The design a 200 must report and the engine draw with: the body's ``sampler`` ("greedy" for
     greedy bodies: none), a lattice for lone repeats of a design that needs its group size, or None
     where the body leaves it to other fields."""
-    sampler, temperature = body.get("sampler"), body.get("temperature")
+    sampler, temperature = body.get("sampler"), as_number(body.get("temperature"))  # as vLLM parses it
     if not isinstance(sampler, str) or body.get("vllm_xargs"):
         return None
-    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < 1e-5
+    greedy = isinstance(temperature, int | float) and temperature < 1e-5
     if greedy:
         return "greedy"
     lone = body.get("n", 1) == 1 and body.get("sampler_offset", 0) == 0 and "sampler_group_size" not in body
