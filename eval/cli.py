@@ -29,6 +29,7 @@ from qmc_sampler.eval.tasks import JSONL_PREFIX, TASKS
 
 from qmc_sampler.cpu_defaults import DTYPES
 from qmc_sampler.designs import METHODS
+from qmc_sampler.limits import positive_int
 
 __all__ = ["main"]
 
@@ -41,16 +42,6 @@ class _Parser(argparse.ArgumentParser):
 def _fail(message: str) -> NoReturn:
     sys.stderr.write(f"qmc-eval: error: {message}\n")
     raise SystemExit(2)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def _samplers(text: str) -> tuple[str, ...]:
@@ -98,9 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         "--task", required=True, type=_task, metavar="TASK", help=f"one of {', '.join(TASKS)}, or jsonl:PATH"
     )
     run.add_argument("--samplers", type=_samplers, default=("iid", "lattice"), help="comma-separated designs")
-    run.add_argument("--n", type=_positive_int, default=64, help="group size N")
-    run.add_argument("--groups", type=_positive_int, default=1, help="groups per problem and sampler")
-    run.add_argument("--problems", type=_positive_int, default=50)
+    run.add_argument("--n", type=positive_int, default=64, help="group size N")
+    run.add_argument("--groups", type=positive_int, default=1, help="groups per problem and sampler")
+    run.add_argument("--problems", type=positive_int, default=50)
     run.add_argument("--out", required=True, help="output folder (resumed if it exists)")
     run.add_argument("--model", default=None, help="a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     run.add_argument(
@@ -115,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--served-model", default=None, help="the model name the endpoints serve (default: theirs)")
     fleet.add_argument("--api-key", default=None, help="Bearer key for the endpoints (or set $QMC_EVAL_API_KEY)")
-    fleet.add_argument("--concurrency", type=_positive_int, default=None, help="member requests in flight (32)")
+    fleet.add_argument("--concurrency", type=positive_int, default=None, help="member requests in flight (32)")
     cluster = run.add_argument_group("a Ray cluster (instead of an in-process engine)")
     cluster.add_argument(
         "--ray",
@@ -127,13 +118,13 @@ def _parser() -> argparse.ArgumentParser:
         "(auto, HOST:6379, ray://HOST:10001), none: a local cluster on this machine",
     )
     cluster.add_argument(
-        "--replicas", type=_positive_int, default=None, help="vLLM engines on the Ray cluster (default 2)"
+        "--replicas", type=positive_int, default=None, help="vLLM engines on the Ray cluster (default 2)"
     )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--min-p", type=float, default=0.0)
-    run.add_argument("--max-tokens", type=_positive_int, default=None)
+    run.add_argument("--max-tokens", type=positive_int, default=None)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--order", choices=("id", "sorted"), default="id")
     run.add_argument(
@@ -151,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         p.add_argument("--plot", default=None, metavar="PNG", help="also draw pass@k vs k to this file")
         p.add_argument("--k", type=_ks, default=None, help="comma-separated k (default: powers of two up to N)")
-        p.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap replicates")
+        p.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap replicates")
     return parser
 
 

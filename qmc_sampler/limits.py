@@ -7,9 +7,18 @@ and the allowed range, so nothing past the boundary has to (docs/serving.md, "Li
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
-__all__ = ["MAX_GROUP_ID_LENGTH", "MAX_GROUP_SIZE", "SEED_MAX", "SEED_MIN", "check_int", "is_int"]
+__all__ = [
+    "MAX_GROUP_ID_LENGTH",
+    "MAX_GROUP_SIZE",
+    "SEED_MAX",
+    "SEED_MIN",
+    "check_int",
+    "is_int",
+    "positive_int",
+]
 
 #: The largest group size: member indices fit the lattice's 32-bit radical inverse and Sobol's
 #: 32-bit points, and a stratified member's stratum is computed alone at any size up to it.
@@ -38,4 +47,20 @@ def check_int(name: str, value: Any, low: int, high: int) -> int:
     """
     if not is_int(value) or not low <= value <= high:
         raise ValueError(f"{name}={value!r} must be an integer between {low} and {high}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type for the command lines' counts (qmc-eval's and qmc-serve's): an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: ``'TEXT' is not an integer`` or ``N must be >= 1`` (argparse prints it
+            after the option's name, one line, exit code 2).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value

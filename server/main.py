@@ -13,6 +13,7 @@ import sys
 from typing import Any, NoReturn
 
 from qmc_sampler.designs import METHODS
+from qmc_sampler.limits import positive_int
 
 __all__ = ["main"]
 
@@ -20,16 +21,6 @@ API_KEY_ENV = "QMC_SERVE_API_KEY"
 OPEN_INVOCATIONS_ENV = "QMC_SERVE_INVOCATIONS_WITHOUT_KEY"  # =1: as --invocations-without-key
 MIDDLEWARE = "qmc_sampler.server.middleware.QMCServeMiddleware"
 SHUTDOWN_TIMEOUT_S = 30
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def _seconds(text: str) -> float:
@@ -65,14 +56,15 @@ def _parser() -> Any:
     ))  # fmt: skip
     ours = parser.add_argument_group("qmc-sampler")
     ours.add_argument("--sampler", choices=METHODS, default="lattice", help="design of requests that name none")
-    ours.add_argument("--max-n", type=_positive, default=128, help="largest n a request may ask for")
-    ours.add_argument("--max-members-in-flight", type=_positive, default=1024,
+    ours.add_argument("--max-n", type=positive_int, default=128, help="largest n a request may ask for")
+    ours.add_argument("--max-members-in-flight", type=positive_int, default=1024,
                       help="member requests (n × prompts) in the engines at once; beyond: 429")  # fmt: skip
     ours.add_argument("--queue-timeout", type=_seconds, default=0.0, help="seconds a request waits for room (then 429)")
-    ours.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
+    ours.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body")
     ours.add_argument("--invocations-without-key", action="store_true",
                       help="serve /invocations without the API key (authenticated in front, as SageMaker)")  # fmt: skip
-    ours.add_argument("--kv-cache-gb", type=_positive, default=None, help="CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)")
+    ours.add_argument("--kv-cache-gb", type=positive_int, default=None,
+                      help="CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)")  # fmt: skip
     parser.set_defaults(model=None, enforce_eager=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     return parser
 

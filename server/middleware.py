@@ -94,6 +94,12 @@ def _route_path(scope: dict[str, Any]) -> str:
     return path[len(root) :] if path[len(root)] == "/" else path
 
 
+async def _unauthorized(send: Any) -> None:
+    """vLLM's 401 (its body), counted as refused for the key."""
+    METRICS.rejected.labels(RejectedBy.AUTH).inc()
+    await _respond(send, 401, {"error": "Unauthorized"})
+
+
 class QMCServeMiddleware:
     """qmc-serve's layer over vLLM's OpenAI app (see the module docstring); vLLM adds it from ``--middleware``."""
 
@@ -112,8 +118,7 @@ class QMCServeMiddleware:
         path = _route_path(scope)
         if path == "/stats" and scope["method"] == "GET":
             if not server.authorized(scope):  # it reaches every engine: behind the key like /v1
-                METRICS.rejected.labels(RejectedBy.AUTH).inc()
-                await _respond(send, 401, {"error": "Unauthorized"})  # vLLM's 401 body
+                await _unauthorized(send)
                 return
             await _respond(send, 200, await self._stats(scope))
             return
@@ -122,10 +127,9 @@ class QMCServeMiddleware:
             await self.app(scope, receive, send)
             return
         if server.key_needed(path) and not server.authorized(scope):
-            METRICS.rejected.labels(RejectedBy.AUTH).inc()
             # Answered here, not left to vLLM's check, which misses its own routes under some
-            # --root-path values ("/") and never sees UNGUARDED_BY_VLLM; the body is vLLM's 401.
-            await _respond(send, 401, {"error": "Unauthorized"})
+            # --root-path values ("/") and never sees UNGUARDED_BY_VLLM.
+            await _unauthorized(send)
             return
         if server.closing:
             await _refuse(send, FieldError("the server is shutting down", None, status=503), RejectedBy.CLOSING)
