@@ -26,10 +26,19 @@
 
 The classical estimator is *biased* for correlated groups: a k-subset of a
 correlated group is not a draw from the size-k design.
+
+Intervals (:func:`bca_interval`) resample *problems* only, each problem carrying the
+mean of its groups: problems are the independent units, and the per-problem mean
+already holds the within-problem variance (a second level that resamples groups too
+counts it twice). They are bias-corrected and accelerated (BCa; Efron 1987, "Better
+bootstrap confidence intervals", JASA 82:171), which keeps the 95% intervals at their
+nominal rate where the plain percentile interval under-covers the skewed, bounded
+per-problem values of large k (``benchmarks/ci_coverage.py``; docs/evaluation.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +49,7 @@ __all__ = [
     "FULL_GROUP_DESIGNS",
     "PassAtK",
     "SamplesSaved",
+    "bca_interval",
     "bootstrap_pass_at_k",
     "bootstrap_samples_saved",
     "classical_pass_at_k",
@@ -185,10 +195,74 @@ class PassAtK:
     high: float
 
 
+def bca_interval(
+    statistic: Callable[..., NDArray[np.float64]],
+    columns: Sequence[ArrayLike],
+    *,
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """A statistic of problems with its BCa bootstrap interval, problems resampled jointly.
+
+    Args:
+        statistic: maps arrays ``[B, P']`` (one per column, rows of resampled problems) to
+            the statistic of each row, ``[B]``; it must accept any row length P' (the
+            jackknife drops one problem).
+        columns: per-problem values, one ``[P]`` array per column (a paired statistic —
+            a ratio of two samplers' means — takes both, resampled with the same rows).
+        resamples: bootstrap replicates; level: the interval's coverage; seed: resampling seed.
+
+    Returns:
+        ``(value, low, high)``. A statistic that no resample moves (every problem alike)
+        gets the point as its interval; one problem alone has no interval (NaN bounds).
+
+    Reference: Efron (1987), "Better bootstrap confidence intervals", JASA 82:171, §2–3
+    (z0 from the share of replicates below the point, ties counted half; the
+    acceleration from the jackknife's skewness).
+    """
+    from scipy import stats
+
+    cols = [np.asarray(c, dtype=np.float64) for c in columns]
+    p = len(cols[0])
+    if p == 0 or any(len(c) != p for c in cols):
+        raise ValueError(f"columns must be non-empty and of one length; got {[len(c) for c in cols]}")
+    value = float(statistic(*[c[None, :] for c in cols])[0])
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, p, size=(resamples, p))
+    boot = np.asarray(statistic(*[c[rows] for c in cols]), dtype=np.float64)
+    boot = boot[np.isfinite(boot)]
+    if p == 1:  # nothing to resample: no interval, rather than a point that looks certain
+        return value, float("nan"), float("nan")
+    if len(boot) == 0 or np.ptp(boot) == 0:
+        return value, value, value
+    share = (np.sum(boot < value) + 0.5 * np.sum(boot == value)) / len(boot)
+    z0 = stats.norm.ppf(np.clip(share, 0.5 / len(boot), 1 - 0.5 / len(boot)))
+    jack = np.empty(p)
+    for start in range(0, p, 1024):  # leave-one-out rows, a chunk at a time ([chunk, P-1] indices)
+        drop = np.arange(start, min(p, start + 1024))
+        keep = np.arange(p - 1)[None, :] + (np.arange(p - 1)[None, :] >= drop[:, None])
+        jack[drop] = statistic(*[c[keep] for c in cols])
+    d = jack.mean() - jack
+    spread = float(np.sum(d**2))
+    accel = float(np.sum(d**3)) / (6.0 * spread**1.5) if spread > 0 else 0.0
+    z = stats.norm.ppf([(1 - level) / 2, (1 + level) / 2])
+    adjusted = stats.norm.cdf(z0 + (z0 + z) / (1 - accel * (z0 + z)))
+    low, high = np.quantile(boot, adjusted)
+    return value, float(min(low, value)), float(max(high, value))
+
+
+def _row_mean(x: NDArray[np.float64]) -> NDArray[np.float64]:
+    return x.mean(axis=1)
+
+
 def bootstrap_pass_at_k(
     per_group: list[NDArray[np.float64]], k: int, *, resamples: int = 2000, level: float = 0.95, seed: int = 0
 ) -> PassAtK:
-    """Mean pass@k over problems, with a two-level bootstrap CI (problems, then groups).
+    """Mean pass@k over problems, with a BCa bootstrap CI over problems (:func:`bca_interval`).
+
+    Each problem contributes the mean of its groups' estimator values; problems are the
+    resampled units (the module docstring says why not groups too).
 
     Args:
         per_group: one array per problem: the estimator's per-group values.
@@ -196,17 +270,8 @@ def bootstrap_pass_at_k(
         resamples: bootstrap replicates; level: CI coverage; seed: resampling seed.
     """
     values = np.array([g.mean() for g in per_group])
-    rng = np.random.default_rng(seed)
-    p = len(per_group)
-    boot = np.empty(resamples)
-    for b in range(resamples):
-        problems = rng.integers(0, p, size=p)
-        boot[b] = np.mean(
-            [per_group[i][rng.integers(0, len(per_group[i]), size=len(per_group[i]))].mean() for i in problems]
-        )
-    alpha = (1 - level) / 2
-    low, high = np.quantile(boot, [alpha, 1 - alpha])
-    return PassAtK(k=k, value=float(values.mean()), low=float(low), high=float(high))
+    value, low, high = bca_interval(_row_mean, [values], resamples=resamples, level=level, seed=seed)
+    return PassAtK(k=k, value=value, low=low, high=high)
 
 
 def samples_saved(curve: dict[int, float], target: float, n: int) -> float | None:
@@ -269,8 +334,8 @@ def bootstrap_samples_saved(
 ) -> SamplesSaved | None:
     """:func:`samples_saved` of a method against i.i.d.'s pass@k, with a bootstrap CI.
 
-    Problems are resampled jointly for both samplers (they share problems), then
-    each sampler's groups within a problem; replicates without a crossing are
+    Problems are resampled jointly for both samplers (they share problems), each
+    carrying its groups' means (percentile interval); replicates without a crossing are
     counted (:attr:`SamplesSaved.no_crossing`), not folded into the interval as 0 %.
 
     Args:
@@ -283,25 +348,19 @@ def bootstrap_samples_saved(
     """
 
     ks = sorted(method[0])
+    # Each problem carries its groups' means; problems are the resampled units (module docstring).
+    base = np.array([float(b.mean()) for b in baseline])
+    curves = {kk: np.array([float(m[kk].mean()) for m in method]) for kk in ks}
 
-    def saved(idx: NDArray[np.int64], rng: np.random.Generator | None) -> float | None:
-        curve = dict.fromkeys(ks, 0.0)
-        target = 0.0
-        for i in idx:
-            # One resample of each sampler's groups per problem, shared by every k.
-            groups = None if rng is None else rng.integers(0, len(method[i][ks[0]]), size=len(method[i][ks[0]]))
-            base = None if rng is None else rng.integers(0, len(baseline[i]), size=len(baseline[i]))
-            target += float((baseline[i] if base is None else baseline[i][base]).mean())
-            for kk in ks:
-                curve[kk] += float((method[i][kk] if groups is None else method[i][kk][groups]).mean())
-        return samples_saved({kk: v / len(idx) for kk, v in curve.items()}, target / len(idx), k)
+    def saved(idx: NDArray[np.int64]) -> float | None:
+        return samples_saved({kk: float(curves[kk][idx].mean()) for kk in ks}, float(base[idx].mean()), k)
 
     p = len(method)
-    point = saved(np.arange(p), None)
+    point = saved(np.arange(p))
     if point is None:
         return None
     rng = np.random.default_rng(seed)
-    boot = [saved(rng.integers(0, p, size=p), rng) for _ in range(resamples)]
+    boot = [saved(rng.integers(0, p, size=p)) for _ in range(resamples)]
     crossing = np.array([b for b in boot if b is not None])
     alpha = (1 - level) / 2
     low, high = np.quantile(crossing, [alpha, 1 - alpha]) if len(crossing) else (np.nan, np.nan)
