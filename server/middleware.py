@@ -28,8 +28,11 @@ from typing import Any
 from qmc_sampler.server.admission import MemberLimiter
 from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
+from qmc_sampler.vllm_plugin.compat import locate
 from starlette.datastructures import Headers
-from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
+
+GUARDED_PREFIX = locate("guarded_prefix")  # vLLM's key-checked prefixes and its key check, wherever it keeps them
+AuthenticationMiddleware = locate("authentication")
 
 __all__ = ["QMCServeMiddleware"]
 

@@ -25,6 +25,9 @@ import logging
 import os
 from typing import Any
 
+from qmc_sampler.vllm_plugin import compat
+from qmc_sampler.vllm_plugin.request_args import engine_facts
+
 __all__ = ["register"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
@@ -36,6 +39,7 @@ def register() -> None:
 
     install()
     _record_engine_facts()
+    _keep_model_runner_v2_choice()
     _record_request_ids()
     from vllm.v1.worker.worker_base import WorkerBase
 
@@ -50,11 +54,36 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
 
 
 def _record_engine_facts() -> None:
+    """Let admission know its engine: through the validator builder where vLLM has one (>= 0.31),
+    else through ``SamplingParams.verify``, which older releases call on every request."""
     try:
-        from vllm.v1.engine.input_processor import InputProcessor
+        owner, original = compat.locate_with_owner("params_validator")
+    except compat.TouchpointError:
+        _record_engine_facts_at_verify()
+        return
+    if getattr(original, "_qmc_wrapped", False):
+        return
 
-        original = InputProcessor._build_logits_processors_params_validator
-    except (ImportError, AttributeError) as e:
+    @functools.wraps(original)
+    def build(self: Any) -> Any:
+        validate = original(self)
+        mrv2 = bool(getattr(self.vllm_config, "use_v2_model_runner", False))
+        facts = _engine_facts(self.vllm_config.speculative_config, self.model_config, "mrv2" if mrv2 else "v1")
+
+        def validator(params: Any) -> None:
+            with engine_facts(facts):
+                validate(params)
+
+        return validator
+
+    build._qmc_wrapped = True  # type: ignore[attr-defined]
+    owner._build_logits_processors_params_validator = build
+
+
+def _record_engine_facts_at_verify() -> None:
+    try:
+        owner, original = compat.locate_with_owner("params_verify")
+    except compat.TouchpointError as e:
         logger.warning(
             "qmc-sampler: cannot see the engine's configuration at admission (%s); designed requests under "
             "speculative decoding or an uncorrectable processed logprobs_mode are not refused there",
@@ -65,30 +94,117 @@ def _record_engine_facts() -> None:
         return
 
     @functools.wraps(original)
-    def build(self: Any) -> Any:
-        from qmc_sampler.vllm_plugin.request_args import ENV_METHOD, EngineFacts, engine_facts
+    def verify(self: Any, model_config: Any, speculative_config: Any, *args: Any, **kwargs: Any) -> Any:
+        runner = "mrv2" if _mrv2_without_processors() else "v1"
+        with engine_facts(_engine_facts(speculative_config, model_config, runner)):
+            return original(self, model_config, speculative_config, *args, **kwargs)
 
-        validate = original(self)
-        facts = EngineFacts(
-            speculative=getattr(self.vllm_config, "speculative_config", None) is not None,
-            logprobs_mode=str(getattr(self.model_config, "logprobs_mode", "raw_logprobs")),
+    verify._qmc_wrapped = True  # type: ignore[attr-defined]
+    owner.verify = verify
+
+
+def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> Any:
+    """The facts for one engine, warning once per engine where the plugin cannot act at all."""
+    from qmc_sampler.vllm_plugin.request_args import ENV_METHOD, EngineFacts
+
+    facts = EngineFacts(
+        speculative=speculative_config is not None,
+        logprobs_mode=str(getattr(model_config, "logprobs_mode", "raw_logprobs")),
+        runner=runner,
+        processors_run=not (runner == "mrv2" and _mrv2_without_processors()),
+    )
+    why = None
+    if facts.speculative:
+        why = "runs speculative decoding, which does not run logits processors"
+    elif not facts.processors_run:
+        why = "runs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which has no logits processors before vLLM 0.31"
+    if why and id(model_config) not in _warned_engines:
+        _warned_engines.add(id(model_config))
+        drop_in = os.environ.get(ENV_METHOD)
+        logger.warning(
+            "qmc-sampler: this engine %s: the plugin is inactive here%s; requests that ask for a design "
+            "(qmc_method) are refused",
+            why,
+            f" (the drop-in {ENV_METHOD}={drop_in} is ignored)" if drop_in else "",
         )
-        if facts.speculative:
-            drop_in = os.environ.get(ENV_METHOD)
-            logger.warning(
-                "qmc-sampler: this engine runs speculative decoding, which does not run logits processors: "
-                "the plugin is inactive here%s; requests that ask for a design (qmc_method) are refused",
-                f" (the drop-in {ENV_METHOD}={drop_in} is ignored)" if drop_in else "",
-            )
+    return facts
 
-        def validator(params: Any) -> None:
-            with engine_facts(facts):
-                validate(params)
 
-        return validator
+_warned_engines: set[int] = set()
 
-    build._qmc_wrapped = True  # type: ignore[attr-defined]
-    InputProcessor._build_logits_processors_params_validator = build
+
+# ---- Model Runner V2 before vLLM 0.31 --------------------------------------------------------------
+# vLLM 0.24–0.30 list "custom logits processors" among MRV2's unsupported features whenever *any*
+# package declares a ``vllm.logits_processors`` entry point (``VllmConfig.
+# _get_v2_model_runner_unsupported_features``): installing qmc-sampler moves every engine of the
+# environment to the V1 runner, and VLLM_USE_V2_MODEL_RUNNER=1 then fails at start. Our entry point
+# is the package's way in for engines that use designs, so it stays; where it is the only reason,
+# the switch is said at engine start, and VLLM_USE_V2_MODEL_RUNNER=1 keeps MRV2 with the plugin
+# stepping aside (designs refused at admission: :func:`_engine_facts`). docs/serving.md, "vLLM versions".
+
+_MRV2_FEATURE = "custom logits processors"
+
+
+def _mrv2_without_processors() -> bool:
+    """True on a vLLM whose MRV2 runs no logits processors, where the user asked for MRV2."""
+    from vllm import envs
+
+    try:
+        compat.locate("mrv2_processor")
+    except compat.TouchpointError:
+        return envs.VLLM_USE_V2_MODEL_RUNNER is True
+    return False
+
+
+def _keep_model_runner_v2_choice() -> None:
+    try:
+        compat.locate("mrv2_processor")
+        return  # vLLM >= 0.31: MRV2 runs logits processors, the entry point changes nothing
+    except compat.TouchpointError:
+        pass
+    try:
+        owner, original = compat.locate_with_owner("mrv2_unsupported")
+    except compat.TouchpointError:
+        return
+    if getattr(original, "_qmc_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def unsupported_features(self: Any) -> list[str]:
+        unsupported = original(self)
+        if _MRV2_FEATURE not in unsupported or not _only_our_entry_point(self.model_config):
+            return unsupported
+        if _mrv2_without_processors():
+            _say_once("kept", "qmc-sampler: VLLM_USE_V2_MODEL_RUNNER=1: Model Runner V2 kept, though qmc-sampler is "
+                      "installed; on this vLLM it runs no logits processors, so qmc-sampler is inactive in this "
+                      "engine and refuses requests with a design")  # fmt: skip
+            return [feature for feature in unsupported if feature != _MRV2_FEATURE]
+        if unsupported == [_MRV2_FEATURE]:
+            _say_once("moved", "qmc-sampler: on this vLLM (< 0.31) an installed logits-processor entry point moves "
+                      "every engine from Model Runner V2 to the V1 runner, and qmc-sampler's is the only one here: "
+                      "this engine runs the V1 runner (designs work). To keep Model Runner V2 without qmc-sampler "
+                      "for an engine, set VLLM_USE_V2_MODEL_RUNNER=1 (designs are then refused there)")  # fmt: skip
+        return unsupported
+
+    unsupported_features._qmc_wrapped = True  # type: ignore[attr-defined]
+    owner._get_v2_model_runner_unsupported_features = unsupported_features
+
+
+def _only_our_entry_point(model_config: Any) -> bool:
+    from importlib.metadata import entry_points
+
+    if model_config is None or getattr(model_config, "logits_processors", None):
+        return False
+    return all(ep.value.startswith("qmc_sampler.") for ep in entry_points(group="vllm.logits_processors"))
+
+
+_said: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        logger.warning(message)
 
 
 def _record_request_ids() -> None:

@@ -5,40 +5,30 @@ The plugin imposes its choice by setting every other logit of the row to ``-inf`
 every sampled token. :class:`Capture` keeps each imposed row as the processor received it;
 :func:`install` (run by :mod:`.hooks` in every vLLM process) wraps vLLM's V1 and MRV2
 ``Sampler.sample`` so that those rows get what vLLM would have computed without the plugin —
-after checking the shape of everything it patches; otherwise it patches nothing, logs an error,
-and :func:`require_for` refuses designed requests under a processed mode (:func:`installed`,
-:func:`reason`). Details: docs/internals.md, "Logprobs".
+each runner's on its own, after checking what it patches against :mod:`.compat`'s table; a runner
+whose sampler differs is left unpatched with an error in the log, and :func:`require_for` refuses
+designed requests on it under a processed mode (:func:`installed`, :func:`reason`). Details:
+docs/internals.md, "Logprobs".
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from qmc_sampler.vllm_plugin import compat
 
-__all__ = ["PROCESSED_MODES", "Capture", "install", "installed", "reason", "require_for"]
+__all__ = ["PROCESSED_MODES", "RUNNERS", "Capture", "install", "installed", "reason", "require_for"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
 PROCESSED_MODES = ("processed_logprobs", "processed_logits")
-_V1_SIGNATURE = ["self", "logits", "sampling_metadata", "logprobs_mode_override"]
-_V2_SIGNATURE = [
-    "self",
-    "logits",
-    "expanded_idx_mapping",
-    "idx_mapping",
-    "idx_mapping_np",
-    "pos",
-    "input_ids",
-    "expanded_local_pos",
-    "seq_lens_upper_bound_np",
-    "return_logprobs",
-]
-_state: dict[str, Any] = {"installed": False, "reason": "install() has not run"}
+#: The runners whose samplers are wrapped, each on its own: a mismatch in one costs only that one.
+RUNNERS = ("v1", "mrv2")
+_state: dict[str, tuple[bool, str]] = {runner: (False, "install() has not run") for runner in RUNNERS}
 
 
 @dataclass
@@ -57,84 +47,74 @@ class Capture:
     sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def installed() -> bool:
-    """True once :func:`install` has wrapped the samplers of the running vLLM."""
-    return bool(_state["installed"])
+def installed(runner: str = "v1") -> bool:
+    """True once :func:`install` has wrapped ``runner``'s sampler (``"v1"`` or ``"mrv2"``) in this vLLM."""
+    return _state[runner][0]
 
 
-def reason() -> str:
-    """Why the wrap is not installed ("installed" once it is)."""
-    return str(_state["reason"])
+def reason(runner: str = "v1") -> str:
+    """Why ``runner``'s wrap is not installed ("installed" once it is)."""
+    return _state[runner][1]
 
 
-def require_for(logprobs_mode: str) -> bool:
-    """Whether designed requests can get correct ``logprobs_mode`` logprobs in this process.
+def require_for(logprobs_mode: str, runner: str = "v1") -> bool:
+    """Whether designed requests on ``runner`` can get correct ``logprobs_mode`` logprobs here.
 
-    Installs the wrap if it is not yet; logs an error (once per engine) when it cannot.
+    Installs the wraps if they are not yet; logs an error (once per engine) when it cannot.
     Never raises: the engine must start for requests without a design.
     """
     if logprobs_mode not in PROCESSED_MODES:
         return True
     install()
-    if not installed():
+    if not installed(runner):
         logger.error(
             "qmc-sampler: this engine returns %s, which cannot be kept correct for designed requests (%s); "
             "they are refused at admission, every other request is served as without the plugin",
             logprobs_mode,
-            reason(),
+            reason(runner),
         )
-    return installed()
+    return installed(runner)
 
 
 def install() -> None:
-    """Wrap vLLM's samplers so processed logprobs stay the model's (idempotent; see module docstring)."""
-    if _state["installed"]:
-        return
-    targets, why = _patch_targets()
-    if targets is None:
-        _refuse(why)
-        return
-    for sampler, wrap in targets:
+    """Wrap each runner's sampler so processed logprobs stay the model's (idempotent; see module docstring).
+
+    Each runner is decided on its own (:mod:`.compat` checks every object first): a changed MRV2
+    sampler leaves the V1 wrap in place, and the reason for the one not wrapped is logged once.
+    """
+    for runner, (touchpoints, wrap, sampler_name) in _RUNNER_TARGETS.items():
+        if _state[runner][0]:
+            continue
+        try:
+            for name in touchpoints:
+                compat.locate(name)
+            sampler, _ = compat.locate_with_owner(sampler_name)
+        except compat.TouchpointError as e:
+            _state[runner] = (False, str(e))
+            if not _prerequisite_absent(runner):
+                logger.error(
+                    "qmc-sampler: processed logprobs of designed rows cannot be corrected under the %s runner (%s); "
+                    "nothing of it was patched: under a processed logprobs_mode such requests are refused there",
+                    runner, e,
+                )  # fmt: skip
+            continue
         if not getattr(sampler.sample, "_qmc_wrapped", False):  # never wrapped twice
             wrapped = wrap(sampler.sample)
             wrapped._qmc_wrapped = True  # type: ignore[attr-defined]
             sampler.sample = wrapped
-    _state.update(installed=True, reason="installed")
+        _state[runner] = (True, "installed")
 
 
-def _patch_targets() -> tuple[list[tuple[Any, Any]] | None, str]:
-    """Every (class, wrapper) to patch, or None and why not: all checked before any is patched."""
+def _prerequisite_absent(runner: str) -> bool:
+    """True where ``runner`` runs no logits processors on this vLLM at all (MRV2 before 0.31): there is
+    nothing to correct, and :mod:`.hooks` says at engine start what that means for designs."""
+    if runner != "mrv2":
+        return False
     try:
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-        from vllm.v1.sample.sampler import Sampler as V1Sampler
-    except ImportError as e:
-        return None, f"vLLM's V1 sampler cannot be imported ({e})"
-    if not callable(apply_top_k_top_p):
-        return None, "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p is not a function"
-    if _parameters(V1Sampler.sample) != _V1_SIGNATURE:
-        return None, "vllm.v1.sample.sampler.Sampler.sample has an unexpected signature"
-    targets = [(V1Sampler, _wrap_v1)]
-    try:  # Model Runner V2 ships with vLLM >= 0.32; absent elsewhere.
-        from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
-    except ImportError:  # pragma: no cover - depends on the installed vLLM
-        return targets, ""
-    if _parameters(V2Sampler.sample) != _V2_SIGNATURE:
-        return None, "vllm.v1.worker.gpu.sample.sampler.Sampler.sample has an unexpected signature"
-    return [*targets, (V2Sampler, _wrap_v2)], ""
-
-
-def _parameters(function: Any) -> list[str]:
-    # A wrapped sample (ours, from an earlier install in this process) shows the original's.
-    return list(inspect.signature(function).parameters)
-
-
-def _refuse(why: str) -> None:
-    _state["reason"] = why
-    logger.error(
-        "qmc-sampler: processed logprobs cannot be corrected (%s); nothing was patched. Engines start and "
-        "serve as without the plugin; under a processed logprobs_mode, requests with a design are refused",
-        why,
-    )
+        compat.locate("mrv2_processor")
+    except compat.TouchpointError:
+        return True
+    return False
 
 
 def _captures(processors: Any) -> list[Capture]:
@@ -186,3 +166,10 @@ def _wrap_v2(original: Any) -> Any:
 def _store(processed: torch.Tensor, rows: torch.Tensor, logits: torch.Tensor, mode: str) -> None:
     value = logits if mode == "processed_logits" else logits.log_softmax(dim=-1, dtype=torch.float32)
     processed[rows] = value.to(processed.dtype)
+
+
+#: runner → (touch points that must all be there, the wrapper, the touch point of the wrapped method).
+_RUNNER_TARGETS = {
+    "v1": (("v1_sample", "apply_top_k_top_p"), _wrap_v1, "v1_sample"),
+    "mrv2": (("mrv2_processor", "mrv2_sample"), _wrap_v2, "mrv2_sample"),
+}

@@ -22,7 +22,7 @@ from qmc_sampler.vllm_plugin.adapters import MRV2Slots, V1Rows
 from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
 from qmc_sampler.vllm_plugin.logprobs import PROCESSED_MODES, Capture, require_for
 from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, upload
-from qmc_sampler.vllm_plugin.request_args import resolve
+from qmc_sampler.vllm_plugin.request_args import install_prompt_marks, resolve
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 __all__ = ["QMCLogitsProcessor", "plugin_stats"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
+
+# vLLM imports this class in the front end when it builds the engine's admission checks, before any
+# request: the serving routes then number their prompts (request_args.mark_prompt). Idempotent.
+install_prompt_marks()
 
 
 class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
@@ -54,7 +58,8 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         mode = str(vllm_config.model_config.logprobs_mode)
         # Without the wrap, imposed rows would report logprob 0 in this mode: admission refuses
         # designed requests, and any that arrive anyway are left to the engine (loudly).
-        self._wrong_logprobs = None if require_for(mode) else f"{mode} cannot be kept correct on this vLLM"
+        correctable = require_for(mode, self.interface)
+        self._wrong_logprobs = None if correctable else f"{mode} cannot be kept correct on this vLLM"
         self._capture_rows = mode in PROCESSED_MODES
         self._capture: Capture | None = None
         self._batch: _Batch | None = None
@@ -118,6 +123,10 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
             "auto_open": self.registry.resolver.open_auto_groups(),
             "auto_expired": groups.auto_expired,
             "auto_evicted": groups.auto_evicted,
+            "arrivals_forgotten": groups.arrivals_forgotten,
+            "children_forgotten": groups.children_forgotten,
+            "children_lost": groups.children_lost,
+            "orphans": groups.orphans,
         }
 
     def _impose(
@@ -230,7 +239,9 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         ``restored`` members resumed after preemption, ``lost`` members that continued
         with fresh uniforms, ``unsampleable`` rows left to the engine (NaN or nothing
         admissible), ``overflow`` arrivals beyond a group's n, ``auto_*`` the
-        auto-grouping counters, ``admitted_by_design`` the members admitted by the design they draw
+        auto-grouping counters, ``arrivals_forgotten``/``children_forgotten``/``children_lost``/``orphans``
+        the arrival counters forgotten and the members numbered apart (docs/serving.md, "Who is which
+        member"), ``admitted_by_design`` the members admitted by the design they draw
         with, ``rows`` members in the batch now, ``parked`` members kept for
         resumption, ``parked_dropped``/``parked_evicted``/``parked_expired`` those dropped by the
         per-key bound, the global bound, or with their auto group.

@@ -12,20 +12,23 @@ multi-prompt completion request.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import contextvars
+import functools
 import hashlib
+import inspect
 import itertools
 import logging
 import math
 import os
-import re
 import secrets
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
@@ -40,6 +43,7 @@ __all__ = [
     "ENV_GROUP_TTL",
     "ENV_METHOD",
     "ENV_ORDER",
+    "ENV_SALT",
     "EXPLICIT",
     "KEYS",
     "REQUEST",
@@ -48,6 +52,8 @@ __all__ = [
     "admitting",
     "check_extra_args",
     "engine_facts",
+    "install_prompt_marks",
+    "instance_salt",
     "prompt_index",
     "prompt_seed",
     "read_request",
@@ -60,6 +66,7 @@ ENV_METHOD = "QMC_SAMPLER"
 ENV_ORDER = "QMC_SAMPLER_ORDER"
 ENV_AUTO_GROUP = "QMC_SAMPLER_AUTO_GROUP"
 ENV_GROUP_TTL = "QMC_SAMPLER_GROUP_TTL"
+ENV_SALT = "QMC_SAMPLER_SALT"
 DEFAULT_GROUP_TTL = 300.0
 KEYS = ("qmc_method", "qmc_seed", "qmc_order", "qmc_group", "qmc_index", "qmc_n", "qmc_auto_group")
 
@@ -87,6 +94,8 @@ class QMCRequest:
         fresh_seed: the seed for a new group when ``seed`` is None (drawn in the front-end).
         children: the request's ``n`` (an explicit ``index`` is the first of ``children`` members).
         tag: names the request, so its children can be numbered (explicit groups with an index).
+        salt: the front end's instance salt (:func:`instance_salt`): tells apart replicas, and an
+            engine before and after a restart, where a group is numbered or seeded in the engine.
     """
 
     kind: str
@@ -102,6 +111,28 @@ class QMCRequest:
     fresh_seed: int | None = None
     children: int = 1
     tag: str = ""
+    salt: int = 0
+
+
+def instance_salt() -> int:
+    """A new engine client's instance salt: ``QMC_SAMPLER_SALT`` if set (an integer, pinned for
+    reproducible seeded auto groups and arrival-numbered explicit groups across restarts and
+    replicas), else 64 random bits from ``os.urandom`` — an identity drawn once per engine client,
+    never a per-token random number.
+
+    Raises:
+        ValueError: ``QMC_SAMPLER_SALT`` is not an integer in [0, 2**64).
+    """
+    raw = os.environ.get(ENV_SALT, "").strip()
+    if not raw:
+        return int.from_bytes(os.urandom(8), "little")
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise ValueError(f"environment {ENV_SALT}={raw!r} must be an integer between 0 and 2**64 - 1")
+    return value
 
 
 @dataclass(frozen=True)
@@ -110,11 +141,17 @@ class EngineFacts:
 
     speculative: bool = False
     logprobs_mode: str = "raw_logprobs"
+    #: this engine client's instance salt (drawn when the facts are built: once per engine client)
+    salt: int = field(default_factory=lambda: instance_salt())
+    runner: str = "v1"  # "v1" or "mrv2": whose sampler wrap processed logprobs need
+    processors_run: bool = True  # False: MRV2 before vLLM 0.31, which runs no logits processors
 
 
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("qmc_request_id", default=None)
-_COMPLETION_ITEM = re.compile(r"^cmpl-.*-(\d{1,9})$", re.DOTALL)  # prompts per request: far fewer
+_PROMPT = "_qmc_prompt"  # the prompt's place in its route request, written by the route's wrap (kept across reuse)
+# Per route call (its asyncio task): how many prompts it has submitted so far.
+_ROUTE_PROMPTS: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -128,7 +165,15 @@ def engine_facts(facts: EngineFacts) -> Iterator[None]:
 
 
 _FRONT_END_SALT = secrets.randbits(64)  # this process's; never reused by another server
+_PROCESS_FACTS_SALT: list[int] = []  # the instance salt of resolve calls outside any engine's facts
 _fresh_counter = itertools.count(1)
+
+
+def _process_salt() -> int:
+    """The instance salt of admissions outside any engine's facts (drawn once per process)."""
+    if not _PROCESS_FACTS_SALT:
+        _PROCESS_FACTS_SALT.append(instance_salt())
+    return _PROCESS_FACTS_SALT[0]
 
 
 def _fresh_seed() -> int:
@@ -191,7 +236,8 @@ def check_extra_args(extra: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def admitting(request_id: str | None) -> Iterator[None]:
     """Let :func:`resolve` calls inside this block know the engine request id they admit
-    (``hooks`` wraps vLLM's ``InputProcessor.process_inputs`` with it)."""
+    (``hooks`` wraps vLLM's ``InputProcessor.process_inputs`` with it). The id is a caller's
+    choice, so nothing is read from its shape: a prompt's place comes from :func:`mark_prompt`."""
     token = _REQUEST_ID.set(request_id)
     try:
         yield
@@ -199,14 +245,73 @@ def admitting(request_id: str | None) -> Iterator[None]:
         _REQUEST_ID.reset(token)
 
 
-def prompt_index(request_id: str | None) -> int:
-    """The prompt's place in a multi-prompt completion request, from its engine request id.
+def mark_prompt(params: Any) -> None:
+    """Record in ``params`` its prompt's place in the route request being served (0, 1, …).
 
-    vLLM's completion route submits prompt i of one request as ``"cmpl-{id}-{i}"``
-    (``vllm/entrypoints/openai/completion/serving.py``); every other request is prompt 0.
+    vLLM's serving routes build one ``SamplingParams`` per prompt (the completion route per
+    prompt, the batch-chat route per conversation, the chat route per rendered prompt) and
+    hand each to ``_log_inputs`` just before ``generate``, in prompt order, within the route's
+    own call (one asyncio task): that order, not a request id a caller may choose, numbers
+    them. ``params.extra_args`` is replaced (vLLM shares one ``vllm_xargs`` dict between a
+    request's prompts). Outside a running task (an offline or direct engine caller, who never
+    passes through a route) nothing is marked: every such request is prompt 0.
     """
-    found = _COMPLETION_ITEM.match(request_id or "")
-    return int(found.group(1)) if found else 0
+    if not hasattr(params, "extra_args") or not hasattr(params, "temperature"):  # beam search: no design
+        return
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        return
+    if task is None:
+        return
+    index = _ROUTE_PROMPTS.get(task, 0)
+    _ROUTE_PROMPTS[task] = index + 1
+    if index:
+        params.extra_args = {**(params.extra_args or {}), _PROMPT: index}
+
+
+def install_prompt_marks() -> bool:
+    """Wrap vLLM's ``BaseServing._log_inputs`` (every serving route's per-prompt call) with
+    :func:`mark_prompt` (idempotent; checked against the signature it expects).
+
+    Returns:
+        True if the wrap is in place; False (logged) where this vLLM has no such method: the
+        prompts of one multi-prompt request then share their request's seed.
+    """
+    try:
+        from vllm.entrypoints.serve.engine.serving import BaseServing
+
+        original = BaseServing._log_inputs
+        names = list(inspect.signature(original).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        names, original, error = [], None, e
+    else:
+        error = None
+    if original is not None and getattr(original, "_qmc_wrapped", False):
+        return True
+    if original is None or names[:4] != ["self", "request_id", "inputs", "params"]:
+        logger.warning(
+            "qmc-sampler: cannot see the prompts of vLLM's multi-prompt requests (%s); identical prompts in "
+            "one request with a seed share their group seed",
+            error or f"BaseServing._log_inputs{names}",
+        )
+        return False
+
+    @functools.wraps(original)
+    def _log_inputs(self: Any, request_id: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        mark_prompt(kwargs["params"] if "params" in kwargs else args[0] if args else None)
+        return original(self, request_id, inputs, *args, **kwargs)
+
+    _log_inputs._qmc_wrapped = True  # type: ignore[attr-defined]
+    BaseServing._log_inputs = _log_inputs
+    return True
+
+
+def prompt_index(params: Any) -> int:
+    """The prompt's place in its route request (:func:`mark_prompt`); 0 for every other request."""
+    extra = getattr(params, "extra_args", None) or {}
+    index = extra.get(_PROMPT, 0)
+    return index if is_int(index) and index >= 0 else 0
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -282,7 +387,7 @@ def resolve(params: Any) -> QMCRequest | None:
     """
     extra: dict[str, Any] = dict(params.extra_args or {})
     # Drop a previous call's placement: one params object often serves many prompts.
-    stale = [k for k in extra if k.startswith(_PRIVATE) and k != _USER_SEED]
+    stale = [k for k in extra if k.startswith(_PRIVATE) and k not in (_USER_SEED, _PROMPT)]
     for key in stale:
         del extra[key]
     if stale:
@@ -309,9 +414,10 @@ def resolve(params: Any) -> QMCRequest | None:
         params.seed = None
     seed = extra.get("qmc_seed", extra.get(_USER_SEED))
     order = extra.get("qmc_order") or env_order or "id"
-    # Prompt i > 0 of a multi-prompt completion request is a group of its own (derived seed):
+    # Prompt i > 0 of a multi-prompt route request is a group of its own (derived seed):
     # the prompts share one body, so otherwise two identical prompts would be copies.
-    prompt = prompt_index(_REQUEST_ID.get())
+    prompt = prompt_index(params)
+    salt = facts.salt if facts is not None else _process_salt()
     if kind == EXPLICIT:
         # A caller's group id is namespaced by method and seed, so that two designs
         # or seeds under one id never share member indices. Without any seed the
@@ -330,13 +436,13 @@ def resolve(params: Any) -> QMCRequest | None:
             )
         request = QMCRequest(
             EXPLICIT, method, order, int(seed), size, f"user:{explicit}:{method}:{seed}", index,
-            children=int(params.n), tag=uuid.uuid4().hex,
+            children=int(params.n), tag=uuid.uuid4().hex, salt=salt,
         )  # fmt: skip
     elif kind == REQUEST:
         seed = None if seed is None else prompt_seed(int(seed), prompt)
         request = QMCRequest(
             REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}",
-            fresh_seed=_fresh_seed() if seed is None else None,
+            fresh_seed=_fresh_seed() if seed is None else None, salt=salt,
         )  # fmt: skip
     else:
         if not get_design(method).extensible:
@@ -344,11 +450,12 @@ def resolve(params: Any) -> QMCRequest | None:
             method = "lattice"
         request = QMCRequest(
             AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl(),
-            fresh_seed=_fresh_seed() if seed is None else None,
+            fresh_seed=_fresh_seed() if seed is None else None, salt=salt,
         )  # fmt: skip
     extra[_PRIVATE] = [
         request.kind, request.method, request.order, request.seed, request.n, request.group, request.index,
         request.params_key, request.arrival, request.ttl, request.fresh_seed, request.children, request.tag,
+        request.salt,
     ]  # fmt: skip
     params.extra_args = extra
     return request
@@ -374,23 +481,26 @@ def _count_lattice_instead(method: str) -> None:
 def _engine_can_serve(facts: EngineFacts, explicit_design: bool) -> bool:
     """False: the drop-in stays off for this engine (logged at its start). Raises for a request
     that asks for a design the engine cannot give it."""
-    if facts.speculative:
+    if facts.speculative or not facts.processors_run:
         if explicit_design:
+            why = ("runs speculative decoding, which does not run logits processors" if facts.speculative else
+                   "runs Model Runner V2, which runs no logits processors before vLLM 0.31")  # fmt: skip
+            fix = ("serve without --speculative-config" if facts.speculative else
+                   "unset VLLM_USE_V2_MODEL_RUNNER")  # fmt: skip
             raise ValueError(
-                "vllm_xargs 'qmc_method': this engine runs speculative decoding, which does not run logits "
-                "processors, so correlated sampling is unavailable; drop 'qmc_method' or serve without "
-                "--speculative-config"
+                f"vllm_xargs 'qmc_method': this engine {why}, so correlated sampling is unavailable; drop "
+                f"'qmc_method' or {fix}"
             )
         return False
     from qmc_sampler.vllm_plugin import logprobs
 
-    if facts.logprobs_mode in logprobs.PROCESSED_MODES and not logprobs.installed():
+    if facts.logprobs_mode in logprobs.PROCESSED_MODES and not logprobs.installed(facts.runner):
         logprobs.install()
-        if not logprobs.installed():
+        if not logprobs.installed(facts.runner):
             raise ValueError(
                 f"vllm_xargs 'qmc_method': this engine returns {facts.logprobs_mode}, which qmc-sampler cannot "
-                f"keep correct for designed requests on this vLLM ({logprobs.reason()}); use --logprobs-mode "
-                "raw_logprobs, or send requests without a design"
+                f"keep correct for designed requests on this vLLM ({logprobs.reason(facts.runner)}); use "
+                "--logprobs-mode raw_logprobs, or send requests without a design"
                 + ("" if explicit_design else " (unset QMC_SAMPLER, or send qmc_auto_group=0 with n=1)")
             )
     return True

@@ -1,0 +1,317 @@
+"""Every place qmc-sampler touches vLLM, as one table, checked at run time and against a release's sources.
+
+Each :class:`Touchpoint` names a vLLM object (``module:qualname``, with alternatives where vLLM
+moved it) and, for functions we wrap, the parameter list we rely on. :func:`locate` resolves one
+in the running vLLM (what :mod:`.logprobs`, :mod:`.hooks` and ``qmc-serve`` do before patching or
+importing anything); :func:`check_sources` reads the same table off a vLLM tree or wheel *without
+importing it* (``python -m qmc_sampler.vllm_plugin.compat WHEEL_OR_DIR``: how CI checks a release
+it cannot install, such as the CUDA wheel). Which vLLM releases were run, and what each gives:
+docs/serving.md, "vLLM versions".
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import sys
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TOUCHPOINTS",
+    "Touchpoint",
+    "TouchpointError",
+    "check_sources",
+    "locate",
+    "locate_with_owner",
+    "main",
+]
+
+
+@dataclass(frozen=True)
+class Touchpoint:
+    """One vLLM object the package relies on.
+
+    Attributes:
+        name: short key (used in logs, docs and :func:`locate`).
+        places: ``"module:qualname"`` candidates, newest vLLM first; the first found is used.
+        params: the parameter names a wrapped function must have (None: only its presence).
+        feature: what is lost without it (said in the log line and by the source check).
+        optional: absent on some supported releases by design (the feature then has a fallback
+            that :mod:`.hooks` or the server applies and says so); a mismatched signature is
+            never optional.
+        only_with: another touch point's name: this one is needed only where that one exists
+            (MRV2's sampler matters only on releases whose MRV2 runs logits processors).
+    """
+
+    name: str
+    places: tuple[str, ...]
+    params: tuple[str, ...] | None
+    feature: str
+    optional: bool = False
+    only_with: str | None = None
+
+
+_V1_SAMPLE = ("self", "logits", "sampling_metadata", "logprobs_mode_override")
+_V2_SAMPLE = (
+    "self",
+    "logits",
+    "expanded_idx_mapping",
+    "idx_mapping",
+    "idx_mapping_np",
+    "pos",
+    "input_ids",
+    "expanded_local_pos",
+    "seq_lens_upper_bound_np",
+    "return_logprobs",
+)
+
+TOUCHPOINTS: dict[str, Touchpoint] = {
+    t.name: t
+    for t in (
+        Touchpoint("v1_processor", ("vllm.v1.sample.logits_processor:LogitsProcessor",), None,
+                   "the plugin under the V1 runner (every CPU engine)"),
+        Touchpoint("batch_update", ("vllm.v1.sample.logits_processor:BatchUpdate",), None,
+                   "the plugin under the V1 runner"),
+        Touchpoint("move_directionality", ("vllm.v1.sample.logits_processor.interface:MoveDirectionality",), None,
+                   "the plugin under the V1 runner"),
+        Touchpoint("v1_sample", ("vllm.v1.sample.sampler:Sampler.sample",), _V1_SAMPLE,
+                   "correct processed logprobs of designed rows under the V1 runner"),
+        Touchpoint("apply_top_k_top_p", ("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",), None,
+                   "correct processed logprobs of designed rows under the V1 runner"),
+        Touchpoint("mrv2_processor", ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",), None,
+                   "the plugin under Model Runner V2 (vLLM < 0.31 has no MRV2 logits processors: vLLM then "
+                   "runs the V1 runner wherever a logits-processor entry point is installed)", optional=True),
+        Touchpoint("mrv2_sample", ("vllm.v1.worker.gpu.sample.sampler:Sampler.sample",), _V2_SAMPLE,
+                   "correct processed logprobs of designed rows under Model Runner V2", only_with="mrv2_processor"),
+        Touchpoint("mrv2_unsupported", ("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",),
+                   ("self",), "keeping Model Runner V2 on vLLM < 0.31 where VLLM_USE_V2_MODEL_RUNNER=1 asks for it",
+                   optional=True),
+        Touchpoint("params_validator",
+                   ("vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_validator",),
+                   ("self",), "admission-time engine facts on vLLM >= 0.31 (older: SamplingParams.verify)",
+                   optional=True),
+        Touchpoint("params_verify", ("vllm.sampling_params:SamplingParams.verify",),
+                   ("self", "model_config", "speculative_config", "structured_outputs_config", "tokenizer"),
+                   "admission-time engine facts on vLLM < 0.31 (refusing designs vLLM cannot serve)"),
+        Touchpoint("process_inputs", ("vllm.v1.engine.input_processor:InputProcessor.process_inputs",),
+                   None, "the request id of each prompt at admission"),
+        Touchpoint("worker_base", ("vllm.v1.worker.worker_base:WorkerBase",), None,
+                   "asking every worker whether it runs the processor (servers, qmc-eval)"),
+        Touchpoint("serve_cli_args", ("vllm.entrypoints.common.cli_args:make_arg_parser",
+                                      "vllm.entrypoints.launchers.cli_args:make_arg_parser",
+                                      "vllm.entrypoints.openai.cli_args:make_arg_parser"),
+                   ("parser",), "qmc-serve's command line"),
+        Touchpoint("serve_validate_args", ("vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
+                                           "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
+                                           "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args"),
+                   ("args",), "qmc-serve's command line"),
+        Touchpoint("cli_env_setup", ("vllm.entrypoints.common.startup:cli_env_setup",
+                                     "vllm.entrypoints.serve.utils.api_utils:cli_env_setup"),
+                   (), "qmc-serve's start"),
+        Touchpoint("serve_subcommand", ("vllm.entrypoints.cli.serve:ServeSubcommand.cmd",), ("args",),
+                   "qmc-serve's start"),
+        Touchpoint("configure_logging", ("vllm.logger:configure_logging_from_args",), ("args",),
+                   "vLLM >= 0.31's logging options in qmc-serve (older vLLMs configure logging themselves)",
+                   optional=True),
+        Touchpoint("authentication", ("vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware",
+                                      "vllm.entrypoints.serve.utils.server_utils:AuthenticationMiddleware"),
+                   None, "qmc-serve's API-key check on its own routes"),
+        Touchpoint("guarded_prefix", ("vllm.entrypoints.serve.middleware.authenticate:GUARDED_PREFIX",
+                                      "vllm.entrypoints.serve.utils.server_utils:GUARDED_PREFIX"),
+                   None, "qmc-serve's API-key check on its own routes"),
+    )
+}  # fmt: skip
+
+
+class TouchpointError(LookupError):
+    """A touch point is absent from the running vLLM, or its signature differs."""
+
+
+def locate(name: str) -> Any:
+    """The running vLLM's object for touch point ``name``.
+
+    Args:
+        name: a key of :data:`TOUCHPOINTS`.
+
+    Returns:
+        The object at the first of its places that exists (a wrapped function is checked by
+        the signature of what it wraps).
+
+    Raises:
+        TouchpointError: none of its places exists, or the object's parameters differ from the
+            ones relied on; the message says which and what is lost.
+    """
+    return locate_with_owner(name)[1]
+
+
+def locate_with_owner(name: str) -> tuple[Any, Any]:
+    """:func:`locate`, also returning what holds the object (its class or module), for patching it."""
+    point = TOUCHPOINTS[name]
+    missing = []
+    for place in point.places:
+        module_name, qualname = place.split(":")
+        try:
+            owner: Any = None
+            obj: Any = importlib.import_module(module_name)
+            for attr in qualname.split("."):
+                owner, obj = obj, getattr(obj, attr)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{place} ({type(e).__name__})")
+            continue
+        if point.params is not None:
+            found = _runtime_params(obj)
+            if found != point.params:
+                raise TouchpointError(f"{place} has parameters {found}, not {point.params}: {point.feature} is off")
+        return owner, obj
+    raise TouchpointError(f"{' / '.join(missing)} not found: {point.feature} is off")
+
+
+def _runtime_params(obj: Any) -> tuple[str, ...]:
+    # inspect.signature follows __wrapped__: a function we wrapped earlier shows vLLM's own.
+    return tuple(inspect.signature(obj).parameters)
+
+
+# ---- the same table, read off sources without importing them ------------------------------------
+
+
+def check_sources(root: str | Path) -> dict[str, str]:
+    """Check every touch point against a vLLM source tree or wheel, importing nothing.
+
+    Args:
+        root: a folder that holds ``vllm/`` (an unpacked wheel or a checkout), or a ``.whl`` file.
+
+    Returns:
+        ``{name: verdict}``, a verdict being ``"ok"``, ``"absent (optional)"``, ``"not needed
+        (…)"``, or a problem starting with ``"MISSING"`` or ``"SIGNATURE"``.
+    """
+    read = _wheel_reader(Path(root)) if str(root).endswith(".whl") else _folder_reader(Path(root))
+    verdicts: dict[str, str] = {}
+    for point in TOUCHPOINTS.values():  # a prerequisite comes earlier in the table
+        verdict = None
+        if point.only_with and verdicts.get(point.only_with) != "ok":
+            verdicts[point.name] = f"not needed (no {point.only_with})"
+            continue
+        for place in point.places:
+            found = _find_in_sources(read, *place.split(":"))
+            if found is None:
+                continue
+            if point.params is not None and found != point.params:
+                verdict = f"SIGNATURE {place}: {found}, expected {point.params}"
+            else:
+                verdict = "ok"
+            break
+        if verdict is None:
+            verdict = "absent (optional)" if point.optional else f"MISSING {' / '.join(point.places)}"
+        verdicts[point.name] = verdict
+    return verdicts
+
+
+Reader = Callable[[str], str | None]
+
+
+def _folder_reader(root: Path) -> Reader:
+    def read(relative: str) -> str | None:
+        path = root / relative
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    return read
+
+
+def _wheel_reader(wheel: Path) -> Reader:
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+
+    def read(relative: str) -> str | None:
+        return archive.read(relative).decode("utf-8") if relative in names else None
+
+    return read
+
+
+def _module_source(read: Reader, module: str) -> str | None:
+    base = module.replace(".", "/")
+    return read(f"{base}.py") or read(f"{base}/__init__.py")
+
+
+def _find_in_sources(read: Reader, module: str, qualname: str, depth: int = 0) -> tuple[str, ...] | None:
+    """The parameters of ``module:qualname`` (``()`` for a class or a value), or None if absent.
+
+    Follows ``from X import name`` re-exports within vLLM (a package's ``__init__``)."""
+    source = _module_source(read, module)
+    if source is None or depth > 4:
+        return None
+    tree = ast.parse(source)
+    head, *rest = qualname.split(".")
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == head:
+                    origin = _absolute(module, node, source_is_package=_is_package(read, module))
+                    if origin and origin.startswith("vllm"):
+                        return _find_in_sources(read, origin, ".".join([alias.name, *rest]), depth + 1)
+    node = _lookup(tree.body, [head, *rest])
+    if node is None:
+        return None
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        args = node.args
+        return tuple(a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs])
+    return ()
+
+
+def _lookup(body: Iterable[ast.stmt], path: list[str]) -> ast.AST | None:
+    for node in body:
+        names: list[str] = []
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        if path[0] in names:
+            if len(path) == 1:
+                return node
+            if isinstance(node, ast.ClassDef):
+                return _lookup(node.body, path[1:])
+            return None
+    return None
+
+
+def _is_package(read: Reader, module: str) -> bool:
+    return read(f"{module.replace('.', '/')}/__init__.py") is not None
+
+
+def _absolute(module: str, node: ast.ImportFrom, source_is_package: bool) -> str | None:
+    if not node.level:
+        return node.module
+    parts = module.split(".")
+    keep = len(parts) - node.level + (1 if source_is_package else 0)
+    base = parts[:keep]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qmc_sampler.vllm_plugin.compat WHEEL_OR_DIR [...]``: print each touch point's
+    verdict per release; exit 1 if any is missing or changed, 2 on a bad path."""
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m qmc_sampler.vllm_plugin.compat WHEEL_OR_DIR [...]", file=sys.stderr)
+        return 2
+    failed = False
+    for path in paths:
+        if not Path(path).exists():
+            print(f"compat: {path}: no such wheel or folder", file=sys.stderr)
+            return 2
+        verdicts = check_sources(path)
+        print(f"{path}:")
+        for name, verdict in verdicts.items():
+            print(f"  {name:22s} {verdict}")
+            failed |= verdict.startswith(("MISSING", "SIGNATURE"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
