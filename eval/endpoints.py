@@ -54,6 +54,8 @@ class Endpoint:
 class EndpointBackend:
     """Generate groups on OpenAI-compatible servers (see module docstring).
 
+    Serves member ranges (``GroupJob.first``/``count``: rounds of a sequential group).
+
     Args:
         urls: the endpoints' base URLs (``http://host:port``, with or without ``/v1``).
         model: the served model name (default: the first one the endpoints list).
@@ -62,6 +64,8 @@ class EndpointBackend:
         max_attempts: tries per member request before the run stops.
         timeout: seconds one request may take.
     """
+
+    supports_rounds = True
 
     def __init__(
         self,
@@ -146,7 +150,7 @@ class EndpointBackend:
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # filled once, in group order
         texts: list[dict[int, Completion]] = [{} for _ in jobs]
         for j, job in enumerate(jobs):
-            for member in range(job.n):
+            for member in job.member_ids:
                 queue.put_nowait((j, member))
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
         async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers, limits=limits) as http:
@@ -155,8 +159,8 @@ class EndpointBackend:
                 while not queue.empty():
                     j, member = queue.get_nowait()
                     texts[j][member] = await self._member(http, jobs[j], member)
-                    if len(texts[j]) == jobs[j].n:
-                        on_group(jobs[j], [texts[j][m] for m in range(jobs[j].n)])
+                    if len(texts[j]) == len(jobs[j].member_ids):
+                        on_group(jobs[j], [texts[j][m] for m in jobs[j].member_ids])
 
             workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
             try:

@@ -9,8 +9,11 @@ group therefore comes out the same from an in-process engine
 running the plugin (:mod:`qmc_sampler.eval.endpoints`) or from Ray Data's vLLM stage on
 a Ray cluster (:mod:`qmc_sampler.eval.ray_backend`).
 
-A backend calls ``on_group(job, completions)`` as soon as all n members of a group
-are done, so results are written and progress moves group by group.
+A backend calls ``on_group(job, completions)`` as soon as all members of a job
+are done, so results are written and progress moves group by group. A job may ask
+for a contiguous range of its group's members only (``first``, ``count``): a round
+of a group grown in rounds (:mod:`qmc_sampler.eval.sequential`); backends that
+serve such ranges say so with ``supports_rounds = True``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class GroupJob:
         n: group size; seed: group seed; method: the design; order: vocabulary order.
         sampling: sampling settings shared by the members (OpenAI / vLLM names:
             ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``stop``).
+        first, count: the members to generate, ``[first, first + count)`` of the group's n
+            (default: all n); each is sent as member ``first + j`` of the size-n design.
     """
 
     key: tuple[str, Any, int]
@@ -44,6 +49,13 @@ class GroupJob:
     method: str
     order: str
     sampling: dict[str, Any] = field(default_factory=dict)
+    first: int = 0
+    count: int | None = None
+
+    @property
+    def member_ids(self) -> range:
+        """The members this job generates, in order (``on_group`` gets their completions in it)."""
+        return range(self.first, self.n if self.count is None else self.first + self.count)
 
     @property
     def group_id(self) -> str:
@@ -102,6 +114,8 @@ class InProcessBackend:
             groups are admitted whole, in order, while there is room.
     """
 
+    supports_rounds = True  # serves GroupJob.first/count
+
     def __init__(self, llm: Any, max_members_in_flight: int = 512) -> None:
         self.llm = llm
         self.max_members_in_flight = max_members_in_flight
@@ -131,10 +145,10 @@ class InProcessBackend:
                     open_groups[serial] = (job, {})
                     prompt = {"prompt_token_ids": self.prompt_ids(job)}
                     sampling = {**job.sampling, "include_stop_str_in_output": True}
-                    for member in range(job.n):
+                    for member in job.member_ids:
                         params = SamplingParams(n=1, extra_args=member_xargs(job, member), **sampling)
                         engine.add_request(f"{tag}-{serial}-{member}", prompt, params)
-                    in_flight += job.n
+                    in_flight += len(job.member_ids)
                 if not engine.has_unfinished_requests():
                     return
                 for output in engine.step():
@@ -145,13 +159,13 @@ class InProcessBackend:
                     choice = output.outputs[0]
                     texts[int(member)] = Completion(choice.text, choice.finish_reason, tuple(choice.token_ids))
                     in_flight -= 1
-                    if len(texts) == job.n:
+                    if len(texts) == len(job.member_ids):
                         del open_groups[int(group)]
-                        on_group(job, [texts[m] for m in range(job.n)])
+                        on_group(job, [texts[m] for m in job.member_ids])
         finally:
             # An interrupted run (an error, Ctrl-C) leaves nothing running in a shared engine.
             unfinished = [
-                f"{tag}-{s}-{m}" for s, (job, texts) in open_groups.items() for m in range(job.n) if m not in texts
+                f"{tag}-{s}-{m}" for s, (job, texts) in open_groups.items() for m in job.member_ids if m not in texts
             ]
             if unfinished:
                 engine.abort_request(unfinished)
