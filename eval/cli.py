@@ -3,7 +3,7 @@
     qmc-eval run --task T|jsonl:PATH --samplers iid,lattice,sobol --n 64 --groups R --problems P --out DIR
                  [--model DIR] [--dtype auto|bfloat16|float16|float32]
                  [--endpoint URL ...] [--served-model NAME] [--api-key KEY] [--concurrency 32]
-                 [--ray [ADDRESS]] [--replicas 2]
+                 [--ray [ADDRESS]] [--replicas 2] [--ray-device auto|cpu|gpu]
                  [--temperature 1.0] [--top-p 1] [--top-k 0] [--min-p 0] [--max-tokens M] [--seed S]
                  [--order id|sorted] [--task-option key=value ...]
     qmc-eval score DIR [--json] [--plot out.png] [--k 1,2,4]
@@ -120,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--replicas", type=positive_int, default=None, help="vLLM engines on the Ray cluster (default 2)"
     )
+    cluster.add_argument(
+        "--ray-device",
+        choices=("auto", "cpu", "gpu"),
+        default=None,
+        help="where the replicas run: auto (default): GPUs where the cluster has any; cpu: CPU replicas anyway",
+    )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
@@ -166,8 +172,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             .replace("min_p", "--min-p")
             .replace("temperature", "--temperature", 1)
         )
-    if args.replicas is not None and args.ray is None:
-        _fail("--replicas: give --ray too (the replicas are vLLM engines on a Ray cluster)")
+    for option, value in (("--replicas", args.replicas), ("--ray-device", args.ray_device)):
+        if value is not None and args.ray is None:
+            _fail(f"{option}: give --ray too (the replicas are vLLM engines on a Ray cluster)")
     if args.ray is not None and args.endpoint:
         _fail("--ray: give either --ray or --endpoint (Ray starts its own engines; --endpoint uses running servers)")
     if args.endpoint and args.model is not None:
@@ -226,7 +233,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from qmc_sampler.eval.ray_backend import DEFAULT_REPLICAS, RayBackend
 
         # args.model None: the default model, converted by connect() once the cluster has been checked.
-        backend = RayBackend(args.model, args.ray or None, args.replicas or DEFAULT_REPLICAS, args.dtype)
+        replicas, device = args.replicas or DEFAULT_REPLICAS, args.ray_device or "auto"
+        backend = RayBackend(args.model, args.ray or None, replicas, args.dtype, device=device)
     from qmc_sampler.eval.console import engine_output_to
 
     log = Path(args.out) / "engine.log"

@@ -1,18 +1,24 @@
 """Generating groups on a Ray cluster: Ray Data's vLLM stage on N engine replicas.
 
-``qmc-eval run --ray [ADDRESS] --replicas N`` turns the run's groups into the rows
-of a Ray Dataset, one row per member, and sends them through Ray Data's own vLLM
-stage (``ray.data.llm.build_processor`` with a ``vLLMEngineProcessorConfig``) on N
-replicas. Each row is one *explicit* member — ``sampling_params.extra_args`` =
+``qmc-eval run --ray [ADDRESS] --replicas N [--ray-device cpu|gpu|auto]`` turns the run's
+groups into the rows of a Ray Dataset, one row per member, and sends them through Ray
+Data's own vLLM stage (``ray.data.llm.build_processor`` with a ``vLLMEngineProcessorConfig``)
+on N replicas. Each row is one *explicit* member — ``sampling_params.extra_args`` =
 ``qmc_method``, ``qmc_seed``, ``qmc_order``, ``qmc_group``, ``qmc_index``, ``qmc_n``
 (:func:`~qmc_sampler.eval.generation.member_xargs`) — so every group is one balanced
 group of the design whichever replica serves each member (the draws are
 counter-based: replicas need no coordination). Ray Data keeps only ``outputs[0]``
 of a row, which is why members are rows and never ``n > 1``.
 
-Where the replicas run:
+The driver's memory does not grow with the rows: it tokenizes each distinct prompt once
+into a :class:`MemberTable` (flat arrays, one entry per group), and the rows are made from
+it in Ray tasks, block by block, as the stage asks for them (a ``ray.data.range`` over the
+members' serial numbers). Results are kept only for the groups still open; a finished
+group is one byte (its members handed to ``on_group`` and dropped).
 
-* **CPU** (a cluster without GPUs): each replica is a placement-group bundle of
+Where the replicas run (``--ray-device``; ``auto``: GPUs where the cluster has any):
+
+* **CPU**: each replica is a placement-group bundle of
   ``{"CPU": c}`` with ``OMP_NUM_THREADS=c`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind``
   (several engines on one machine would otherwise bind their threads to the same
   cores), ``log_engine_metrics=False`` (vLLM's Ray metrics wrapper kills every actor on
@@ -21,10 +27,17 @@ Where the replicas run:
   ``num_cpus = N·c + 2`` logical CPUs, ``c`` = this machine's cores / N (at least 1):
   more than the machine has where needed, so Ray Data's own small tasks run beside the
   engines.
-* **GPU** (the cluster has GPUs): the stage's defaults — one GPU per replica.
+* **GPU**: the stage's defaults — one GPU per replica.
 
-The driver's ``VLLM_*`` and ``QMC_SAMPLER*`` variables are passed to the replicas
-(``runtime_env``). The model folder must exist at the same path on every node.
+Replicas are planned from the cluster's *free* resources (``available_resources_per_node``):
+a cluster busy with other work that cannot host them now is one line at once, not a
+30-minute wait for actors that never start.
+
+The replicas get the driver's ``QMC_*`` variables (not ``*_API_KEY``) and the ``VLLM_*``
+variables of :data:`FORWARDED_VLLM_ENV` (engine settings; host-specific ones such as
+``VLLM_HOST_IP`` or ``VLLM_PORT`` stay on the driver, and the start-up line names the ones
+kept back). A local ``--model`` folder is passed as an absolute path; it must exist at that
+path on every node.
 
 Rows come back batch by batch; a group is handed to ``on_group`` once, when all its
 members are in, so results are written and progress moves group by group, and a
@@ -42,31 +55,62 @@ from the tokens (:func:`finish_reason`).
 from __future__ import annotations
 
 import os
+from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from qmc_sampler.eval.generation import Completion, GroupJob, OnGroup, member_xargs, prompt_token_ids
 
 __all__ = [
     "DEFAULT_REPLICAS",
+    "DEVICES",
+    "FORWARDED_VLLM_ENV",
+    "MemberTable",
     "RayBackend",
     "RayBackendError",
     "ReplicaPlan",
     "finish_reason",
-    "member_rows",
     "plan_replicas",
+    "replica_env",
     "rows_per_engine",
 ]
 
 DEFAULT_REPLICAS = 2
+#: ``--ray-device``: where the replicas run (``auto``: on GPUs where the cluster has any, else on CPUs).
+DEVICES = ("auto", "cpu", "gpu")
 #: Logical CPUs a local cluster gets beyond the replicas' own, for Ray Data's other tasks.
 SPARE_CPUS = 2
+#: The driver's ``VLLM_*`` variables the replicas get: settings of the engine, the same on every node.
+#: Host-specific ones (``VLLM_HOST_IP``, ``VLLM_PORT``, ``VLLM_CACHE_ROOT``, ``VLLM_DP_*``, …) are not passed.
+FORWARDED_VLLM_ENV = frozenset({
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_CPU_ATTN_SPLIT_KV",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_DISABLE_COMPILE_CACHE",
+    "VLLM_DO_NOT_TRACK",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_ENGINE_READY_TIMEOUT_S",
+    "VLLM_FLOAT32_MATMUL_PRECISION",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_NO_USAGE_STATS",
+    "VLLM_PLUGINS",
+    "VLLM_USE_MODELSCOPE",
+    "VLLM_WORKER_MULTIPROC_METHOD",
+})  # fmt: skip
 #: The admission record the plugin writes into a request's ``extra_args`` (``vllm_plugin/request_args.py``).
 PLUGIN_MARKER = "'_qmc':"
-#: Seconds to wait for every replica's engine to start before the run fails.
+#: Seconds to wait for every replica's engine to start (load its model) before the run fails. The
+#: resources were found free just before (:func:`plan_replicas`), so this is a wait for engines, not for room.
 START_TIMEOUT_S = 1800
+#: Seconds the free resources are read again while they fall short, before the run is refused.
+PLAN_WAIT_S = 5.0
 _INSTALL = "pip install 'qmc-sampler[ray]'"
 
 
@@ -85,39 +129,86 @@ class ReplicaPlan:
 
 def plan_replicas(
     replicas: int,
-    cluster_cpus: float,
-    cluster_gpus: float,
-    largest_node_cpus: float,
+    free: Sequence[Mapping[str, float]],
+    total: Mapping[str, float],
     *,
     local: bool,
+    device: str = "auto",
     cpus_per_replica: int | None = None,
 ) -> ReplicaPlan:
-    """How to place ``replicas`` engines on a cluster with these resources.
+    """How to place ``replicas`` engines on the resources of the cluster that are free now.
 
-    A local cluster was started for them (its CPUs are the replicas' plus :data:`SPARE_CPUS`);
-    on another cluster each CPU replica gets an equal share of the CPUs, at most one node's,
-    leaving :data:`SPARE_CPUS` (at least one) to Ray Data. ``cpus_per_replica`` fixes the share.
+    Args:
+        replicas: vLLM engines to start.
+        free: each live node's free resources (``{"CPU": …, "GPU": …}``; Ray's ``available_resources_per_node``).
+        total: the cluster's resources in all (``ray.cluster_resources()``): ``auto`` means GPUs where it has any.
+        local: a local cluster was started for them (its CPUs are the replicas' plus :data:`SPARE_CPUS`).
+        device: ``auto``, ``cpu`` or ``gpu`` (:data:`DEVICES`).
+        cpus_per_replica: the CPUs of each CPU replica (default: an equal share of the free CPUs, at most
+            one node's, leaving :data:`SPARE_CPUS` (at least one) to Ray Data).
+
+    Returns:
+        The plan: one whole free GPU per GPU replica; CPU bundles that fit on the nodes' free CPUs.
 
     Raises:
-        RayBackendError: the cluster cannot hold that many replicas (the message names ``--replicas``).
+        RayBackendError: a device not in :data:`DEVICES`, or too few free resources (the message names
+            ``--replicas`` or ``--ray-device``, and says when the rest of the cluster is busy).
     """
-    if cluster_gpus >= 1:
-        if replicas > cluster_gpus:
+    if device not in DEVICES:
+        raise RayBackendError(f"--ray-device {device!r}: use one of {', '.join(DEVICES)}")
+    has_gpus = total.get("GPU", 0) >= 1
+    if device == "gpu" and not has_gpus:
+        raise RayBackendError("--ray-device gpu: the Ray cluster has no GPU (--ray-device cpu: CPU replicas)")
+    if device == "gpu" or (device == "auto" and has_gpus):
+        gpus = sum(int(node.get("GPU", 0)) for node in free)  # a replica's GPU is on one node, whole
+        if replicas > gpus:
+            hint = "" if device == "gpu" else "; --ray-device cpu: CPU replicas"
             raise RayBackendError(
-                f"--replicas {replicas}: the Ray cluster has {cluster_gpus:g} GPUs; each replica needs one"
+                f"--replicas {replicas}: the Ray cluster has {gpus:g} GPUs{_busy(gpus, total.get('GPU', 0))}; "
+                f"each replica needs one{hint}"
             )
         return ReplicaPlan("gpu", replicas, 1)
-    spare = SPARE_CPUS if local else min(SPARE_CPUS, max(1, int(cluster_cpus) - replicas))
-    cpus = min(int(largest_node_cpus), int(cluster_cpus - spare) // replicas)
-    if cpus_per_replica is not None:
-        fits = cpus_per_replica <= largest_node_cpus and replicas * cpus_per_replica + 1 <= cluster_cpus
-        cpus = cpus_per_replica if fits else 0
+    cpus_free = sum(node.get("CPU", 0) for node in free)
+    largest = max((node.get("CPU", 0) for node in free), default=0)
+    spare = SPARE_CPUS if local else min(SPARE_CPUS, max(1, int(cpus_free) - replicas))
+    cpus = cpus_per_replica or min(int(largest), int(cpus_free - spare) // replicas)
+    fixed = cpus_per_replica is not None
+    # Each bundle on one node: fewer CPUs each until the replicas fit on the nodes (one CPU left to Ray Data).
+    while cpus >= 1 and not (_bundles(free, cpus) >= replicas and replicas * cpus + 1 <= cpus_free):
+        cpus = 0 if fixed else cpus - 1
     if cpus < 1:
+        gpu = "" if has_gpus else " and no GPU"
         raise RayBackendError(
-            f"--replicas {replicas}: the Ray cluster has {cluster_cpus:g} CPUs and no GPU; {replicas} CPU replicas "
-            f"need {replicas + 1} (one each, and one for Ray Data's own tasks)"
+            f"--replicas {replicas}: the Ray cluster has {cpus_free:g} CPUs{_busy(cpus_free, total.get('CPU', 0))}"
+            f"{gpu}; {replicas} CPU replicas need {replicas * (cpus_per_replica or 1) + 1} (one each, and one for "
+            "Ray Data's own tasks)"
         )
     return ReplicaPlan("cpu", replicas, cpus)
+
+
+def _bundles(free: Sequence[Mapping[str, float]], cpus: int) -> int:
+    """How many bundles of ``cpus`` CPUs the nodes' free CPUs hold (a bundle is never split over nodes)."""
+    return sum(int(node.get("CPU", 0) // cpus) for node in free)
+
+
+def _busy(free: float, total: float) -> str:
+    """`` free (T in all)`` where other work holds part of the cluster: the cause of a refusal, said."""
+    return f" free ({total:g} in all)" if free < total else ""
+
+
+def replica_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The driver's variables the replicas get, and the ``VLLM_*``/``QMC_*`` ones kept back (names only).
+
+    Passed: every ``QMC_*`` variable but keys (``*_API_KEY``: secrets no replica reads) and the ``VLLM_*``
+    ones of :data:`FORWARDED_VLLM_ENV`. Kept back: the other ``VLLM_*`` (host-specific, e.g. ``VLLM_HOST_IP``).
+    """
+    env, kept = {}, []
+    for key, value in environ.items():
+        if (key.startswith("QMC_") and not key.endswith("_API_KEY")) or key in FORWARDED_VLLM_ENV:
+            env[key] = value
+        elif key.startswith(("QMC_", "VLLM_")):
+            kept.append(key)
+    return env, sorted(kept)
 
 
 def rows_per_engine(request_ids: Iterable[int]) -> list[int]:
@@ -130,8 +221,13 @@ def rows_per_engine(request_ids: Iterable[int]) -> list[int]:
     Exact when no engine died mid-batch (a lost batch leaves a gap in its numbers).
     """
     counts = Counter(request_ids)
-    engines = counts.get(0, 0)
-    return [sum(1 for c in counts.values() if c >= e) for e in range(1, engines + 1)]
+    return _engine_rows([counts[i] for i in range(max(counts, default=-1) + 1)])
+
+
+def _engine_rows(numbered: Sequence[int]) -> list[int]:
+    """:func:`rows_per_engine` from ``numbered[i]`` = the rows whose ``request_id`` is ``i``."""
+    engines = numbered[0] if numbered else 0
+    return [sum(1 for c in numbered if c >= e) for e in range(1, engines + 1)]
 
 
 def finish_reason(tokens: list[int], text: str, max_tokens: int, stop: Iterable[str], stop_ids: set[int]) -> str:
@@ -150,21 +246,83 @@ def finish_reason(tokens: list[int], text: str, max_tokens: int, stop: Iterable[
     return "stop"
 
 
-def member_rows(jobs: list[GroupJob], tokenizer: Any) -> list[dict[str, Any]]:
-    """One Ray Dataset row per member: its prompt's token ids and its sampling parameters.
+@dataclass(frozen=True)
+class MemberTable:
+    """The run's members as flat arrays, one entry per group: what the rows are made from, in Ray tasks.
 
-    ``extra_args`` are the member's explicit place in its group; every row has the same
-    keys, none null (Arrow unifies the rows' nested structs). ``qmc_job`` and
-    ``qmc_member`` say which member a row is when it comes back.
+    Member serial ``s`` (``0 ≤ s <`` :attr:`rows`) is member ``s - starts[j]`` of group ``j``, where
+    ``starts[j] ≤ s < starts[j + 1]``. Each distinct prompt's token ids are stored once
+    (``tokens[bounds[p]:bounds[p + 1]]``, ``p = prompt_of[j]``), not once per member: the samplers
+    of a run share their problems' prompts, and a group's n members share one.
+
+    Attributes:
+        starts: ``[groups + 1]`` int64, the serial of each group's member 0 (and the total last).
+        prompt_of: ``[groups]`` int64, each group's prompt. tokens: ``[Σ prompt lengths]`` int64.
+        bounds: ``[prompts + 1]`` int64, each prompt's span in ``tokens``.
+        xargs: each group's ``extra_args`` but ``qmc_index`` (:func:`member_xargs`).
+        sampling: each group's sampling parameters (``n = 1``, stop strings kept in the text).
     """
-    rows = []
-    for j, job in enumerate(jobs):
-        ids = prompt_token_ids(tokenizer, job)
-        sampling = {**job.sampling, "n": 1, "include_stop_str_in_output": True}
-        for member in range(job.n):
-            params = {**sampling, "extra_args": member_xargs(job, member)}
-            rows.append({"qmc_job": j, "qmc_member": member, "tokenized_prompt": ids, "sampling_params": params})
-    return rows
+
+    starts: np.ndarray
+    prompt_of: np.ndarray
+    tokens: np.ndarray
+    bounds: np.ndarray
+    xargs: tuple[dict[str, Any], ...]
+    sampling: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def build(cls, jobs: Sequence[GroupJob], tokenizer: Any) -> MemberTable:
+        """Tokenize each distinct prompt of ``jobs`` once (:func:`prompt_token_ids`) and number the members."""
+        prompts: dict[str, int] = {}
+        pieces: list[list[int]] = []
+        samplings: dict[int, dict[str, Any]] = {}  # by id(): the runner's jobs share one dict
+        prompt_of, xargs, sampling = [], [], []
+        for job in jobs:
+            key = repr(job.messages) if job.messages is not None else "\0" + str(job.prompt)
+            if key not in prompts:
+                prompts[key] = len(pieces)
+                pieces.append(prompt_token_ids(tokenizer, job))
+            prompt_of.append(prompts[key])
+            xargs.append({k: v for k, v in member_xargs(job, 0).items() if k != "qmc_index"})
+            if id(job.sampling) not in samplings:
+                samplings[id(job.sampling)] = {**job.sampling, "n": 1, "include_stop_str_in_output": True}
+            sampling.append(samplings[id(job.sampling)])
+        return cls(
+            starts=np.concatenate([[0], np.cumsum([job.n for job in jobs], dtype=np.int64)]).astype(np.int64),
+            prompt_of=np.asarray(prompt_of, dtype=np.int64),
+            tokens=np.asarray([t for piece in pieces for t in piece], dtype=np.int64),
+            bounds=np.concatenate([[0], np.cumsum([len(piece) for piece in pieces], dtype=np.int64)]).astype(np.int64),
+            xargs=tuple(xargs),
+            sampling=tuple(sampling),
+        )
+
+    @property
+    def rows(self) -> int:
+        """Members (rows) in all."""
+        return int(self.starts[-1])
+
+    def row(self, serial: int) -> dict[str, Any]:
+        """Member ``serial``'s row: its prompt's token ids and its sampling parameters.
+
+        ``extra_args`` are the member's explicit place in its group; every row has the same keys, none
+        null (Arrow unifies the rows' nested structs). ``qmc_job`` and ``qmc_member`` say which member a
+        row is when it comes back.
+        """
+        j = int(np.searchsorted(self.starts, serial, side="right")) - 1
+        member, p = serial - int(self.starts[j]), int(self.prompt_of[j])
+        return {
+            "qmc_job": j,
+            "qmc_member": member,
+            "tokenized_prompt": self.tokens[self.bounds[p] : self.bounds[p + 1]].tolist(),
+            "sampling_params": {**self.sampling[j], "extra_args": {**self.xargs[j], "qmc_index": member}},
+        }
+
+
+def _member_rows(batch: dict[str, np.ndarray], table: MemberTable) -> Any:
+    """Ray Data map (runs in a Ray task): a block of member serials (``ray.data.range``) → their rows."""
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([table.row(int(serial)) for serial in batch["id"]])
 
 
 def _member_output(row: dict[str, Any]) -> dict[str, Any]:
@@ -179,12 +337,58 @@ def _member_output(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _Groups:
+    """The driver's results: the completions of the groups still open, and one byte per finished group.
+
+    A group's completions are handed to ``on_group`` (and dropped) as its last member comes in, so
+    what is held is bounded by the rows in flight, not by the run. Request ids are tallied in one
+    array (4 bytes per id an engine handed out) for :func:`rows_per_engine`.
+    """
+
+    def __init__(self, jobs: Sequence[GroupJob], on_group: OnGroup, stop_ids: set[int]) -> None:
+        self.jobs, self.on_group, self.stop_ids = jobs, on_group, stop_ids
+        self.finished = bytearray(len(jobs))
+        self.open: dict[int, dict[int, Completion]] = {}
+        self.numbered = array("I")  # numbered[i]: the rows whose request_id is i
+        self.duplicates = 0
+        self.kept = 0
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        """Take one output row of the stage (after :func:`_member_output`)."""
+        j, member = int(row["qmc_job"]), int(row["qmc_member"])
+        job = self.jobs[j]
+        if not row["admitted"]:
+            raise RayBackendError(
+                f"a Ray replica does not run the qmc-sampler plugin (member {member} of {job.group_id} was "
+                f"admitted without it): install qmc-sampler where the replicas run"
+            )
+        got = self.open.setdefault(j, {}) if not self.finished[j] else None
+        if got is None or member in got:
+            self.duplicates += 1
+            return
+        request = int(row["request_id"])
+        if request >= len(self.numbered):
+            self.numbered.extend([0] * (request + 1 - len(self.numbered)))
+        self.numbered[request] += 1
+        text, tokens = row["text"], list(row["tokens"])
+        reason = finish_reason(tokens, text, job.sampling["max_tokens"], job.sampling.get("stop", ()), self.stop_ids)
+        got[member] = Completion(text, reason, tuple(tokens))
+        self.kept += 1
+        if len(got) == job.n:
+            del self.open[j]
+            self.finished[j] = 1
+            self.on_group(job, [got[m] for m in range(job.n)])
+
+    def engine_rows(self) -> list[int]:
+        return _engine_rows(self.numbered)
+
+
 class RayBackend:
     """Generate groups on a Ray cluster through Ray Data's vLLM stage (see module docstring).
 
     Args:
-        model: the model folder (the same path on every node of the cluster); None: the default model,
-            converted on first use by :meth:`connect` once the cluster has been checked.
+        model: the model folder (a local one is made absolute: the same path on every node of the cluster);
+            None: the default model, converted on first use by :meth:`connect` once the cluster has been checked.
         address: a running cluster (``auto``, ``host:6379``, ``ray://host:10001``); None: ``$RAY_ADDRESS``
             if set, else a local cluster started on this machine. If Ray is already initialised in this
             process, that cluster is used.
@@ -194,6 +398,10 @@ class RayBackend:
         max_concurrent_batches: batches in one engine at a time.
         cpus_per_replica: CPUs (OpenMP threads) of each CPU replica (default: an equal share, see
             :func:`plan_replicas`).
+        device: ``auto``, ``cpu`` or ``gpu`` (:data:`DEVICES`): ``cpu`` runs CPU replicas on a cluster with GPUs.
+
+    Raises:
+        RayBackendError: ``replicas`` < 1 or ``device`` not in :data:`DEVICES`.
     """
 
     def __init__(
@@ -205,16 +413,21 @@ class RayBackend:
         batch_size: int = 16,
         max_concurrent_batches: int = 8,
         cpus_per_replica: int | None = None,
+        device: str = "auto",
     ) -> None:
         if replicas < 1:
             raise RayBackendError(f"--replicas {replicas}: give at least 1")
-        self.model = model
+        if device not in DEVICES:
+            raise RayBackendError(f"--ray-device {device!r}: use one of {', '.join(DEVICES)}")
+        # A relative folder means this driver's folder; the replicas may run in another working directory.
+        self.model = os.path.abspath(model) if model is not None and os.path.isdir(model) else model
         self.address = address
         self.replicas = replicas
         self.dtype = dtype
         self.batch_size = batch_size
         self.max_concurrent_batches = max_concurrent_batches
         self.cpus_per_replica = cpus_per_replica
+        self.device = device
         self.plan: ReplicaPlan | None = None
         self.engine_rows: list[int] = []  # rows each vLLM engine served in the last run (rows_per_engine)
         self.duplicates = 0  # members that came back twice (retried batches) and were dropped
@@ -223,12 +436,12 @@ class RayBackend:
 
     # ---- start-up ---------------------------------------------------------
     def connect(self) -> str:
-        """Join (or start) the Ray cluster and plan the replicas, then find the model (the default one is
-        converted here, after the cluster was found fit); return one line describing them.
+        """Join (or start) the Ray cluster and plan the replicas on its free resources, then find the model
+        (the default one is converted here, after the cluster was found fit); return one line describing them.
 
         Raises:
-            RayBackendError: Ray is missing, the cluster is unreachable or too small for the replicas, or the
-                default model is not installed.
+            RayBackendError: Ray is missing, the cluster is unreachable or has too few free resources for the
+                replicas, or the default model is not installed.
         """
         try:
             import ray
@@ -243,7 +456,7 @@ class RayBackend:
         if not ray.is_initialized():
             try:
                 if local:
-                    gpus = _local_gpus()
+                    gpus = _local_gpus() if self.device != "cpu" else 0
                     each = self.cpus_per_replica or max(1, cores // self.replicas)
                     cpus = max(cores, self.replicas + SPARE_CPUS) if gpus else self.replicas * each + SPARE_CPUS
                     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
@@ -256,12 +469,7 @@ class RayBackend:
                 raise RayBackendError(f"--ray {self.address}: cannot connect to the Ray cluster ({_line(e)})") from None
             self._owned = True
         resources = ray.cluster_resources()
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        largest = max((n.get("Resources", {}).get("CPU", 0) for n in nodes), default=0)
-        cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
-        self.plan = plan_replicas(
-            self.replicas, cpus, gpus, largest, local=local, cpus_per_replica=self.cpus_per_replica
-        )
+        self.plan = self._plan_on_free_resources(resources, local)
         if self.model is None:  # only now: a bad address or too small a cluster is said before any conversion
             from qmc_sampler.models import resolve_model
 
@@ -284,7 +492,40 @@ class RayBackend:
             engines = f"{self.replicas} vLLM replica(s) on CPU ({each}), {dtype}: {why}"
         else:
             engines = f"{self.replicas} vLLM replica(s), one GPU each"
-        return f"{engines}; {where} ({resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs)"
+        line = f"{engines}; {where} ({resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs)"
+        kept = replica_env(os.environ)[1]
+        return line + (f"; not passed to the replicas: {', '.join(kept)}" if kept else "")
+
+    def _plan_on_free_resources(self, resources: Mapping[str, float], local: bool) -> ReplicaPlan:
+        """:func:`plan_replicas` on the nodes' free resources, read again for up to :data:`PLAN_WAIT_S`
+        seconds while they fall short (the actors of a run that just ended give theirs back asynchronously)."""
+        import time
+
+        import ray
+
+        def plan(free: Sequence[Mapping[str, float]]) -> ReplicaPlan:
+            return plan_replicas(
+                self.replicas, free, resources, local=local, device=self.device, cpus_per_replica=self.cpus_per_replica
+            )
+
+        deadline = time.monotonic() + PLAN_WAIT_S
+        try:
+            plan([resources])
+        except RayBackendError:  # not even the whole cluster, idle, would hold them: said at once
+            deadline = 0.0
+        while True:
+            try:
+                from ray._private.state import available_resources_per_node  # Ray's own placement code reads it
+
+                free = list(available_resources_per_node().values())
+            except Exception:  # a Ray Client connection (ray://): the cluster's free resources as one node
+                free = [ray.available_resources()]
+            try:
+                return plan(free)
+            except RayBackendError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
 
     def processor_config(self) -> Any:
         """The ``vLLMEngineProcessorConfig`` of the replicas (after :meth:`connect`)."""
@@ -293,7 +534,7 @@ class RayBackend:
         from qmc_sampler.cpu_defaults import CPU_BLOCK_SIZE
 
         assert self.plan is not None, "connect() first"
-        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "QMC_SAMPLER"))}
+        env = replica_env(os.environ)[0]
         engine: dict[str, Any] = {"seed": 0, "dtype": self._dtype_why[0]}
         placement: dict[str, Any] = {}
         if self.plan.device == "cpu":
@@ -317,6 +558,12 @@ class RayBackend:
             **placement,
         )
 
+    def stage(self) -> Callable[[Any], Any]:
+        """Ray Data's vLLM stage on the replicas, rows in and :func:`_member_output` rows out (a Dataset map)."""
+        from ray.data.llm import build_processor
+
+        return build_processor(self.processor_config(), postprocess=_member_output)
+
     # ---- generation -------------------------------------------------------
     def run(self, jobs: Iterable[GroupJob], on_group: OnGroup) -> None:
         """Generate every group of ``jobs``; call ``on_group`` once per group as it completes.
@@ -331,50 +578,31 @@ class RayBackend:
         if self.plan is None:
             self.connect()
         import ray
-        from ray.data.llm import build_processor
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model)
-        stop_ids = _stop_token_ids(self.model, tokenizer)
+        groups = _Groups(jobs, on_group, _stop_token_ids(self.model, tokenizer))
+        table = MemberTable.build(jobs, tokenizer)
         context = ray.data.DataContext.get_current()
         saved = (context.enable_progress_bars, context.wait_for_min_actors_s)
         context.enable_progress_bars = False  # the run has its own bar, by groups
         context.wait_for_min_actors_s = START_TIMEOUT_S  # every replica is up before rows flow
-        members: list[dict[int, Completion]] = [{} for _ in jobs]
-        request_ids: list[int] = []
         self.duplicates = 0
         try:
-            processor = build_processor(self.processor_config(), postprocess=_member_output)
-            items = member_rows(jobs, tokenizer)
-            # A block per batch: Ray Data hands each task its input blocks, so one big block would be one
-            # task on one replica.
-            blocks = -(-len(items) // self.batch_size)
-            rows = processor(ray.data.from_items(items, override_num_blocks=blocks))
-            for row in rows.iter_rows():
-                j, member = int(row["qmc_job"]), int(row["qmc_member"])
-                job = jobs[j]
-                if not row["admitted"]:
-                    raise RayBackendError(
-                        f"a Ray replica does not run the qmc-sampler plugin (member {member} of {job.group_id} was "
-                        f"admitted without it): install qmc-sampler where the replicas run"
-                    )
-                if member in members[j] or len(members[j]) == job.n:
-                    self.duplicates += 1
-                    continue
-                request_ids.append(int(row["request_id"]))
-                text, tokens = row["text"], list(row["tokens"])
-                reason = finish_reason(tokens, text, job.sampling["max_tokens"], job.sampling.get("stop", ()), stop_ids)
-                members[j][member] = Completion(text, reason, tuple(tokens))
-                if len(members[j]) == job.n:
-                    on_group(job, [members[j][m] for m in range(job.n)])
+            # The rows are made in Ray tasks as the stage takes them, a block per batch: Ray Data hands each
+            # task its input blocks, so one big block would be one task on one replica.
+            serials = ray.data.range(table.rows, override_num_blocks=-(-table.rows // self.batch_size))
+            rows = serials.map_batches(_member_rows, fn_kwargs={"table": table}, batch_size=None)
+            for row in self.stage()(rows).iter_rows():
+                groups.add(row)
         except RayBackendError:
             raise
         except Exception as e:  # a Ray or vLLM error in the pipeline: one line; Ray's log has the rest
             raise RayBackendError(f"the Ray Data pipeline failed: {_line(e)}") from e
         finally:
             context.enable_progress_bars, context.wait_for_min_actors_s = saved
-            self.engine_rows = rows_per_engine(request_ids)
-        missing = sum(job.n - len(got) for job, got in zip(jobs, members, strict=True))
+            self.engine_rows, self.duplicates = groups.engine_rows(), groups.duplicates
+        missing = table.rows - groups.kept
         if missing:
             raise RayBackendError(f"{missing} members never came back from the Ray Data pipeline")
 
