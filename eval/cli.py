@@ -6,6 +6,7 @@
                  [--ray [ADDRESS]] [--replicas 2] [--ray-device auto|cpu|gpu]
                  [--temperature 1.0] [--top-p 1] [--top-k 0] [--min-p 0] [--max-tokens M] [--seed S]
                  [--order id|sorted] [--task-option key=value ...]
+                 [--until-correct K [--round-size 8]]   (sample in rounds to K correct; --n is the cap)
     qmc-eval score DIR [--json] [--plot out.png] [--k 1,2,4]
     qmc-eval passk FILE.jsonl [--json] [--plot out.png] [--k 1,2,4]
 
@@ -142,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
         help="generator setting, e.g. min_digits=2 (repeatable)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    until = run.add_argument_group("sample until verified (--n is the cap)")
+    until.add_argument("--until-correct", type=positive_int, default=None, metavar="K",
+                       help="grow each problem's group in rounds until K members are correct, or --n")  # fmt: skip
+    until.add_argument("--round-size", type=positive_int, default=None, metavar="R", help="members per round (8)")
     for name, what in (("score", "an output folder of `qmc-eval run`"), ("passk", "a samples JSONL file")):
         p = sub.add_parser(name, help=f"pass@k table of {what}")
         p.add_argument("source", help=what)
@@ -183,6 +188,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                           ("--concurrency", args.concurrency)):  # fmt: skip
         if value is not None and not args.endpoint:
             _fail(f"{option}: give --endpoint too ({option} applies to served models only)")
+    _check_until(args)
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         _fail(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
     try:
@@ -211,6 +217,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         order=args.order,
         task_options=dict(args.task_option),
         dtype=args.dtype,
+        until_correct=args.until_correct,
+        round_size=args.round_size,
     )
     try:  # with endpoints the run's model is the served one, compared once they answer
         check_resumable(config, ignore=("model",) if args.endpoint else ())
@@ -254,7 +262,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _fail(str(e))
     if backend is not None:
         print(f"{backend.retries} requests retried (connection errors, 429, 5xx)")
-    print(format_table(summarize(correct_arrays(read_samples(out / "samples.jsonl"), source=str(out)))))
+    print(_table(read_samples(out / "samples.jsonl"), str(out)))
     print(f"\nsamples: {out / 'samples.jsonl'}" + ("" if backend is not None else f" (vLLM's log: {log})"))
     return 0
 
@@ -287,6 +295,40 @@ def _run_on_ray(config: Any, backend: Any, task: Any, log: Path, progress: bool)
     return 0
 
 
+def _check_until(args: argparse.Namespace) -> None:
+    """``--until-correct``'s options, alone and with the others (one line, exit code 2)."""
+    from qmc_sampler.eval.runner import ROUND_SIZE
+    from qmc_sampler.eval.sequential import check_until, sequential_designs
+
+    if args.until_correct is None:
+        if args.round_size is not None:
+            _fail("--round-size: give --until-correct too (rounds are how a sequential run grows its groups)")
+        return
+    if args.ray is not None:
+        _fail(
+            "--until-correct: not with --ray (Ray's stage runs whole groups); use the in-process engine or --endpoint"
+        )
+    for sampler in args.samplers:
+        if sampler not in sequential_designs():
+            _fail(
+                f"--samplers: {sampler!r} cannot grow in rounds (--until-correct); use some of {sequential_designs()}"
+            )
+    try:
+        check_until(args.until_correct, args.n, args.round_size or ROUND_SIZE, args.samplers[0])
+    except ValueError as e:
+        _fail(
+            str(e).replace("want=", "--until-correct ").replace("cap=", "--n ").replace("round_size=", "--round-size ")
+        )
+
+
+def _table(records: list[dict[str, Any]], source: str) -> str:
+    from qmc_sampler.eval.until_report import format_until, is_until, summarize_until
+
+    if is_until(records):
+        return format_until(summarize_until(records))
+    return format_table(summarize(correct_arrays(records, source=source)))
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     source = Path(args.source)
     path = source / "samples.jsonl" if args.command == "score" else source
@@ -294,8 +336,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
         _fail(f"{source} is not an output folder of `qmc-eval run`")
     if not path.is_file():
         _fail(f"{path} does not exist")
+    from qmc_sampler.eval.until_report import format_until, is_until, summarize_until, until_as_json
+
     try:
-        reports = summarize(correct_arrays(read_samples(path), source=str(path)), args.k, args.resamples)
+        records = read_samples(path)
+        if is_until(records):  # a run of --until-correct: samples to K correct, not pass@k
+            if args.k or args.plot:
+                _fail(
+                    f"{'--k' if args.k else '--plot'}: {path} is a sequential run (--until-correct); it has no pass@k"
+                )
+            until = summarize_until(records, args.resamples)
+            print(json.dumps(until_as_json(until), indent=2) if args.json else format_until(until))
+            return 0
+        reports = summarize(correct_arrays(records, source=str(path)), args.k, args.resamples)
     except SampleFileError as e:
         _fail(str(e))
     if not reports:

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ __all__ = ["RunConfig", "RunError", "build_engine", "check_resumable", "group_se
 
 SAMPLES = "samples.jsonl"
 SETTINGS = "run.json"
+#: Members per round of ``--until-correct`` when ``--round-size`` is not given.
+ROUND_SIZE = 8
 
 
 class RunError(ValueError):
@@ -60,6 +63,8 @@ class RunConfig:
     task_options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "auto"  # the engine's dtype (qmc_sampler.cpu_defaults.engine_dtype)
     max_members_in_flight: int = 512  # member requests in the engine at once
+    until_correct: int | None = None  # sample in rounds until this many are correct (n: the cap)
+    round_size: int | None = None  # members per round of a sequential run (default ROUND_SIZE)
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share (not where it writes or how it schedules), as JSON types."""
@@ -226,7 +231,7 @@ def run(
         initial=len(done),
         desc=f"{config.task} groups",
         unit="group",
-        disable=not progress,
+        disable=not progress or config.until_correct is not None,  # rounds have their own bar
         file=None if console is None else console.err,
         dynamic_ncols=True,
     )
@@ -243,6 +248,10 @@ def run(
                 require_plugin(engine)
             backend = InProcessBackend(engine, config.max_members_in_flight)
 
+        if config.until_correct is not None:
+            _run_until(config, task, problems, backend, out, progress, console)
+            return out
+
         def write(job: GroupJob, members: list[Completion]) -> None:
             sampler, problem_id, g = job.key
             append_group(out / SAMPLES, _records(config, task, sampler, by_id[problem_id], g, job.seed, members))
@@ -250,6 +259,28 @@ def run(
 
         backend.run(todo, write)
     return out
+
+
+def _run_until(
+    config: RunConfig, task: Task, problems: list[Problem], backend: Any, out: Path, progress: bool, console: Any
+) -> None:
+    """``--until-correct K``: every (sampler, problem, group) is one group grown in rounds to K correct
+    members or ``n`` (:mod:`qmc_sampler.eval.sequential`, ``first`` mode), written round by round."""
+    from qmc_sampler.eval.sequential import run_rounds
+
+    if not getattr(backend, "supports_rounds", False):
+        raise RunError(f"--until-correct: the {type(backend).__name__} backend cannot generate rounds")
+    templates = [dataclasses_replace(job, n=config.n) for job in jobs_for(config, task, problems, set())]
+    by_id = {p.problem_id: p for p in problems}
+
+    def score(template: GroupJob, text: str) -> dict[str, Any]:
+        verdict = task.score(by_id[template.key[1]], text)
+        return {"correct": verdict.correct, "failure": verdict.failure}
+
+    settings = {"want": config.until_correct, "cap": config.n, "round_size": config.round_size or ROUND_SIZE,
+                "mode": "first"}  # fmt: skip
+    run_rounds(templates, backend, score, settings, out=out / SAMPLES, extra=lambda t: {"task": config.task},
+               progress=progress, console=console)  # fmt: skip
 
 
 def shutdown_engine(llm: Any) -> None:
