@@ -7,6 +7,14 @@ index of it (a :class:`Placement`), when it first enters the engine's batch: an 
 engine (:class:`EngineSalt`, :func:`stable_seed`) and counted in :class:`GroupStats`. The rules —
 kinds, seeds, lifetimes, members beyond a group's size — are specified in docs/internals.md,
 "Groups".
+
+One member, once: every member index that comes from a counter kept here (members numbered in
+arrival order) is handed out at most once per group seed. Where such a counter may have been
+forgotten (its LRU bound) or never seen (another engine, a restart, a re-admitted request), the
+member's group seed or the member itself is new: explicit groups without ``qmc_index`` are seeded
+by the front end's instance salt, the engine's rank and the count of forgotten counters (an
+*epoch*); a re-admitted request, or a child whose counter was forgotten, draws as an *orphan* (a
+seed of its own, fresh uniforms). Each such event is counted in :class:`GroupStats` and logged.
 """
 
 from __future__ import annotations
@@ -28,6 +36,17 @@ __all__ = ["EngineSalt", "GroupResolver", "GroupStats", "Placement", "stable_see
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
+#: Keys of forgotten children counters are remembered this many times max_open_groups.
+_FORGOTTEN_PER_OPEN = 16
+
+
+def _log_counted(message: str, *args: object) -> None:
+    """A warning for a counted event, logged at its 1st, 2nd, 4th, 8th, … occurrence (the count is
+    the last argument): said, never a flood."""
+    count = int(args[-1])  # type: ignore[call-overload]
+    if count & (count - 1) == 0:
+        logger.warning(message, *args)
+
 
 def stable_seed(*parts: object) -> int:
     """A 63-bit seed from a tuple of values, the same in every process (blake2b of their repr)."""
@@ -37,7 +56,8 @@ def stable_seed(*parts: object) -> int:
 
 @dataclass(frozen=True)
 class EngineSalt:
-    """What tells this engine apart from others that may serve the same requests."""
+    """What tells this engine apart from others that may serve the same requests (the
+    front end's per-engine-client salt travels with each request: ``QMCRequest.salt``)."""
 
     engine_seed: int = 0
     dp_rank: int = 0
@@ -67,6 +87,10 @@ class GroupStats:
     auto_members: int = 0  # requests placed in auto groups
     auto_expired: int = 0  # auto groups closed after their time-to-live
     auto_evicted: int = 0  # auto groups forgotten because too many were open
+    arrivals_forgotten: int = 0  # arrival counters dropped by the bound (explicit groups: a new epoch)
+    children_forgotten: int = 0  # counters of n > 1 children dropped before every child arrived
+    orphans: int = 0  # members placed with a seed of their own: re-admitted, or their counter forgotten
+    children_lost: int = 0  # forgotten children counters no longer remembered as forgotten (see _next_child)
 
 
 @dataclass
@@ -98,7 +122,12 @@ class GroupResolver:
     clock: Callable[[], float] = time.time
     stats: GroupStats = field(default_factory=GroupStats)
     on_close: Callable[[Hashable, str], None] | None = None
-    _arrivals: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    # explicit groups without qmc_index: group → [next member, the group seed of this counter's epoch]
+    _arrivals: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
+    # children of one n > 1 request (its group, or group#tag): key → [next child, children]
+    _children: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
+    # keys of children counters dropped before every child arrived (their later children are orphans)
+    _forgotten: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _derived: OrderedDict[str, int] = field(default_factory=OrderedDict)
     _auto: OrderedDict[Hashable, _AutoGroup] = field(default_factory=OrderedDict)
     _clock: float = 0.0
@@ -111,11 +140,20 @@ class GroupResolver:
         prompt = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
         return (request.method, request.order, request.seed, request.params_key, prompt)
 
-    def place(self, request: QMCRequest, key: Hashable) -> Placement:
-        """The placement of a request entering the batch as a new member of group ``key``."""
+    def place(self, request: QMCRequest, key: Hashable, again: bool = False) -> Placement:
+        """The placement of a request entering the batch as a new member of group ``key``.
+
+        Args:
+            again: the request ran before (re-admitted after its parked member was dropped):
+                where its member index came from a counter, it is not numbered again (the
+                counter may have moved on, or been forgotten) but drawn as an orphan.
+        """
         self._clock = max(self._clock, request.arrival)
         if request.kind == AUTO:
             return self._place_auto(request, key)
+        numbered = request.index is None or request.children > 1  # an index from a counter here
+        if numbered and (again or self._forgotten_child(request)):
+            return self._orphan(request, "it was admitted again" if again else "its children's counter was forgotten")
         seed = request.seed
         if seed is None and request.fresh_seed is not None:
             seed = self._salted(request.fresh_seed)
@@ -123,10 +161,12 @@ class GroupResolver:
             seed = self._derived_seed(request.group)
         elif request.kind != EXPLICIT:
             seed = self._salted(seed)
-        if request.index is None:
-            member = self._next_arrival(request.group)
+        if request.index is None and request.kind == EXPLICIT:
+            member, seed = self._next_arrival(request.group, seed, request.salt)
+        elif request.index is None:  # the children of one n > 1 request: 0 … n − 1
+            member = self._next_child(request.group, request.n)
         elif request.children > 1:  # children of one n > 1 request: index, index + 1, …
-            member = request.index + self._next_arrival(f"{request.group}#{request.tag}")
+            member = request.index + self._next_child(f"{request.group}#{request.tag}", request.children)
         else:
             member = request.index
         spec = GroupSpec(request.method, request.n, seed, request.order)
@@ -175,6 +215,11 @@ class GroupResolver:
         if group is not None and group.live == 0 and request.arrival - group.idle_since > request.ttl:
             del self._auto[key]
             self.stats.auto_expired += 1
+            _log_counted(
+                "qmc-sampler: an auto group expired (idle longer than its ttl of %.0f s); a later repeat starts "
+                "it again (a seeded one from member 0, as vLLM's seeded requests repeat). Expired so far: %d",
+                request.ttl, self.stats.auto_expired,
+            )  # fmt: skip
             self._closed(key, "expired")
             group = None
         if group is None:
@@ -188,7 +233,9 @@ class GroupResolver:
 
     def _open_auto(self, key: Hashable, request: QMCRequest) -> _AutoGroup:
         if request.seed is not None:
-            seed = stable_seed("auto", request.seed, key, self.salt.engine_seed, self.salt.dp_rank)
+            # The instance salt: two replicas (or engines) started alike never build the same group
+            # from the same seeded repeats (pinned with QMC_SAMPLER_SALT for reproducible groups).
+            seed = stable_seed("auto", request.seed, key, self.salt.engine_seed, self.salt.dp_rank, request.salt)
         elif request.fresh_seed is not None:
             seed = stable_seed("auto-fresh", request.fresh_seed, self.salt.dp_rank)
         else:
@@ -211,6 +258,11 @@ class GroupResolver:
             if self._auto[key].live == 0 and key != keep:
                 del self._auto[key]
                 self.stats.auto_evicted += 1
+                _log_counted(
+                    "qmc-sampler: forgot an idle auto group (more than max_open_groups=%d open); a later "
+                    "repeat starts it again (a seeded one from member 0). Evicted so far: %d",
+                    self.max_open_groups, self.stats.auto_evicted,
+                )  # fmt: skip
                 self._closed(key, "evicted")
 
     def _closed(self, key: Hashable, why: str) -> None:
@@ -218,12 +270,83 @@ class GroupResolver:
         if self.on_close is not None:
             self.on_close(key, why)
 
-    def _next_arrival(self, group: str) -> int:
-        member = self._arrivals.pop(group, 0)
-        self._arrivals[group] = member + 1
+    def _next_arrival(self, group: str, seed: int, salt: int) -> tuple[int, int]:
+        """The next member of an explicit group numbered by arrival, and the group seed it draws with.
+
+        The seed is the group's seed salted by the front end's instance salt, this engine's
+        rank and the epoch (forgotten counters so far) in which this counter opened: two
+        engines, two replicas, an engine before and after a restart, or a counter before and
+        after it was forgotten, never number the same group seed from 0 twice.
+        """
+        entry = self._arrivals.pop(group, None)
+        if entry is None:
+            epoch = self.stats.arrivals_forgotten
+            entry = [0, stable_seed("arrivals", seed, salt, self.salt.dp_rank, epoch)]
+        member = entry[0]
+        entry[0] += 1
+        self._arrivals[group] = entry
         while len(self._arrivals) > self.max_open_groups:
-            self._arrivals.popitem(last=False)
+            old, (count, _) = self._arrivals.popitem(last=False)
+            self.stats.arrivals_forgotten += 1
+            _log_counted(
+                "qmc-sampler: forgot the arrival counter of explicit group %s after %d members (more than "
+                "max_open_groups=%d are open); its later members form a new group with a seed of its own "
+                "(never a used member; not correlated with the earlier ones). Forgotten so far: %d",
+                old, count, self.max_open_groups, self.stats.arrivals_forgotten,
+            )  # fmt: skip
+        return member, entry[1]
+
+    def _next_child(self, key: str, children: int) -> int:
+        """The next child of one ``n > 1`` request (0 … children − 1; later ones overflow)."""
+        entry = self._children.pop(key, None) or [0, children]
+        member = entry[0]
+        entry[0] += 1
+        self._children[key] = entry
+        if len(self._children) > self.max_open_groups:
+            # The counters whose children have all arrived go first: only a re-admitted child,
+            # numbered apart (an orphan), comes after them.
+            done = next((k for k, (count, n) in self._children.items() if count >= n), None)
+            old = done if done is not None else next(iter(self._children))
+            count, n = self._children.pop(old)
+            if count < n:
+                self.stats.children_forgotten += 1
+                self._forgotten[old] = None
+                while len(self._forgotten) > _FORGOTTEN_PER_OPEN * self.max_open_groups:
+                    # Remembered 16 times longer than open counters: a child arriving after even
+                    # this is numbered from 0 again — counted and logged, never silent.
+                    self._forgotten.popitem(last=False)
+                    self.stats.children_lost += 1
+                    _log_counted(
+                        "qmc-sampler: forgot a forgotten children counter too; a child of it arriving now would "
+                        "repeat a member index. Lost so far: %d",
+                        self.stats.children_lost,
+                    )  # fmt: skip
+                _log_counted(
+                    "qmc-sampler: forgot the children counter of %s after %d of its %d children (more than "
+                    "max_open_groups=%d open); its later children draw as orphans (a seed of their own). "
+                    "Forgotten so far: %d",
+                    old, count, n, self.max_open_groups, self.stats.children_forgotten,
+                )  # fmt: skip
         return member
+
+    def _forgotten_child(self, request: QMCRequest) -> bool:
+        if request.kind == EXPLICIT and request.index is None:
+            return False
+        key = request.group if request.index is None else f"{request.group}#{request.tag}"
+        return key in self._forgotten and key not in self._children
+
+    def _orphan(self, request: QMCRequest, why: str) -> Placement:
+        """A member with a group seed of its own (member 0 of a group nobody else joins), fresh uniforms."""
+        self.stats.orphans += 1
+        self._counter += 1
+        seed = stable_seed("orphan", request.salt, self.salt.engine_seed, self.salt.dp_rank, self._counter)
+        _log_counted(
+            "qmc-sampler: a member of group %s draws with a seed of its own (%s): an exact sample, not "
+            "correlated with its group. Orphans so far: %d",
+            request.group, why, self.stats.orphans,
+        )  # fmt: skip
+        spec = GroupSpec(request.method, max(request.n, 1), seed, request.order)
+        return Placement(request.group, spec, 0, fresh=True)
 
     def _derived_seed(self, group: str) -> int:
         if group not in self._derived:

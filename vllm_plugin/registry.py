@@ -370,7 +370,9 @@ class MemberRegistry:
                 self.stats.restored,
             )
             return member
-        placement = self.resolver.place(request, key)
+        # A request with a history that matched no parked member ran before: it is not numbered
+        # again in its group (place's ``again``).
+        placement = self.resolver.place(request, key, again=bool(output_ids))
         state = MemberState(spec=placement.spec, member=placement.member, fresh=placement.fresh)
         member = Member(placement, state, sampling, key, identity)
         self.stats.admitted += 1

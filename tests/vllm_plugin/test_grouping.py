@@ -145,3 +145,63 @@ def test_the_extensible_lattice_is_balanced_over_every_power_of_two_prefix():
         # The first m codes are Δ + {0, 1/m, …, (m−1)/m}: one in each of m equal cells.
         offsets = np.rint(((codes[:m] - codes[0]) % 1.0) * m).astype(int) % m
         assert sorted(offsets) == list(range(m)), m
+
+
+def _salted(request, salt):
+    from dataclasses import replace
+
+    return replace(request, salt=salt)
+
+
+def test_two_replicas_given_lm_evals_seeded_repeats_alternately_build_no_equal_group(monkeypatch):
+    from qmc_sampler.vllm_plugin.request_args import ENV_SALT, instance_salt
+
+    monkeypatch.delenv(ENV_SALT, raising=False)
+    # Two replicas started alike (engine seed 0, rank 0), each with its front end's instance salt;
+    # lm-eval sends `seed: 1234` with each of 16 repeats, alternately to the two.
+    replicas = [(GroupResolver(salt=EngineSalt(0, 0)), instance_salt()) for _ in range(2)]
+    members = [place(r, _salted(auto(seed=1234), salt)) for k in range(16)
+               for r, salt in [replicas[k % 2]]]  # fmt: skip
+    identities = {(p.spec.seed, p.member) for p in members}
+    assert len(identities) == 16  # no answer is another's copy
+    assert len({p.spec.seed for p in members}) == 2  # one group per replica, not equal groups
+    # Pinned (QMC_SAMPLER_SALT): reproducible, and so the same group on both replicas (the documented cost).
+    monkeypatch.setenv(ENV_SALT, "77")
+    pinned = [place(GroupResolver(), _salted(auto(seed=1234), instance_salt())) for _ in range(2)]
+    assert pinned[0].spec == pinned[1].spec and instance_salt() == 77
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", str(2**64)])
+def test_a_bad_pinned_salt_is_refused_naming_the_variable(monkeypatch, raw):
+    from qmc_sampler.vllm_plugin.request_args import ENV_SALT, instance_salt
+
+    monkeypatch.setenv(ENV_SALT, raw)
+    with pytest.raises(ValueError, match="QMC_SAMPLER_SALT"):
+        instance_salt()
+
+
+def test_an_explicit_group_numbered_by_arrival_never_restarts_a_used_member():
+    r = GroupResolver(max_open_groups=1)
+    group = QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:g:lattice:5", salt=3)
+    first = [place(r, group) for _ in range(3)]
+    assert [p.member for p in first] == [0, 1, 2] and len({p.spec for p in first}) == 1
+    place(r, QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:other:lattice:5", salt=3))  # pushes g's counter out
+    assert r.stats.arrivals_forgotten == 1
+    again = place(r, group)
+    assert again.member == 0 and again.spec.seed != first[0].spec.seed  # a new group: never a used member
+    # Two engines of one server, and another replica (another salt): other seeds too.
+    other_rank = place(GroupResolver(salt=EngineSalt(0, 1)), group)
+    other_replica = place(GroupResolver(), QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:g:lattice:5", salt=4))
+    assert len({first[0].spec.seed, other_rank.spec.seed, other_replica.spec.seed}) == 3
+
+
+def test_a_readmitted_child_and_a_child_whose_counter_was_forgotten_are_orphans():
+    r = GroupResolver(max_open_groups=1)
+    request = QMCRequest(REQUEST, "lattice", "id", 9, 3, "req:a")
+    assert place(r, request).member == 0
+    place(r, QMCRequest(REQUEST, "lattice", "id", 9, 3, "req:b"))  # req:a's counter (1 of 3) forgotten
+    assert r.stats.children_forgotten == 1
+    late = place(r, request)
+    readmitted = r.place(QMCRequest(REQUEST, "lattice", "id", 9, 3, "req:b"), "req:b", again=True)
+    assert late.fresh and readmitted.fresh and late.spec.seed != readmitted.spec.seed != 9
+    assert r.stats.orphans == 2

@@ -221,26 +221,56 @@ def test_a_design_under_speculative_decoding_is_refused_and_the_drop_in_stays_of
         assert drop_in.seed == 3  # left to vLLM untouched
 
 
-def test_a_design_under_an_uncorrectable_processed_logprobs_mode_is_refused(monkeypatch):
+def test_a_design_under_an_uncorrectable_processed_logprobs_mode_is_refused_on_that_runner_only(monkeypatch):
     from qmc_sampler.vllm_plugin import logprobs
     from qmc_sampler.vllm_plugin.request_args import EngineFacts, engine_facts
 
-    monkeypatch.setattr(logprobs, "_state", {"installed": False, "reason": "a faked reason"})
+    monkeypatch.setattr(logprobs, "_state", {"v1": (True, "installed"), "mrv2": (False, "a faked reason")})
     monkeypatch.setattr(logprobs, "install", lambda: None)
-    with engine_facts(EngineFacts(logprobs_mode="processed_logprobs")):
+    with engine_facts(EngineFacts(logprobs_mode="processed_logprobs", runner="mrv2")):
         with pytest.raises(ValueError, match=r"processed_logprobs.*a faked reason"):
             resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"}))
         assert resolve(SamplingParams(n=4)) is None  # no design: served as without the plugin
-    with engine_facts(EngineFacts(logprobs_mode="raw_logprobs")):
+    with engine_facts(EngineFacts(logprobs_mode="processed_logprobs", runner="v1")):
+        assert resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"})) is not None
+    with engine_facts(EngineFacts(logprobs_mode="raw_logprobs", runner="mrv2")):
         assert resolve(SamplingParams(n=4, extra_args={"qmc_method": "lattice"})) is not None
 
 
-@pytest.mark.parametrize(
-    ("request_id", "index"),
-    [("cmpl-abc-0", 0), ("cmpl-abc-3", 3), ("cmpl-my-id-7-12", 12), ("chatcmpl-abc", 0), ("5", 0), (None, 0)],
-)
-def test_the_prompt_index_comes_from_vllms_completion_request_id(request_id, index):
-    assert prompt_index(request_id) == index
+def test_a_design_on_an_engine_whose_runner_runs_no_processors_is_refused_and_the_drop_in_stays_off(monkeypatch):
+    from qmc_sampler.vllm_plugin.request_args import EngineFacts, engine_facts
+
+    monkeypatch.setenv("QMC_SAMPLER", "lattice")
+    with engine_facts(EngineFacts(runner="mrv2", processors_run=False)):
+        with pytest.raises(ValueError, match=r"qmc_method.*Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER"):
+            resolve(SamplingParams(n=4, temperature=1.0, extra_args={"qmc_method": "lattice"}))
+        assert resolve(SamplingParams(n=4, temperature=1.0)) is None  # the drop-in: off, not an error
+
+
+class _Route:
+    """What vLLM's ``BaseServing._log_inputs`` reads of its serving object (no request logger)."""
+
+    request_logger = None
+
+
+def _route_admits(extras, ids):
+    """Admit one route request's prompts as vLLM's routes do: per prompt, ``_log_inputs`` (the real,
+    wrapped method) with the prompt's own params, then ``generate`` (admission) — in one task."""
+    import asyncio
+
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    async def route():
+        params = [SamplingParams(n=4, extra_args=extra) for extra in extras]
+        for request_id, p in zip(ids, params, strict=True):
+            BaseServing._log_inputs(_Route(), request_id, {"prompt_token_ids": [1, 2]}, params=p, lora_request=None)
+        placed = []
+        for request_id, p in zip(ids, params, strict=True):
+            with admitting(request_id):
+                placed.append(resolve(p))
+        return placed
+
+    return asyncio.run(route())
 
 
 @pytest.mark.parametrize(
@@ -251,16 +281,44 @@ def test_the_prompt_index_comes_from_vllms_completion_request_id(request_id, ind
         {"qmc_method": "stratified", "qmc_group": "g", "qmc_n": 8},  # an explicit group without a seed
     ],
 )
-def test_each_prompt_of_a_multi_prompt_completion_is_a_group_of_its_own(extra):
-    placed = []
-    for i in range(3):
-        with admitting(f"cmpl-abc-{i}"):
-            placed.append(resolve(SamplingParams(n=4, extra_args=dict(extra))))
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ["cmpl-abc-0", "cmpl-abc-1", "cmpl-abc-2"],  # the completion route's
+        ["chatcmpl-abc_0", "chatcmpl-abc_1", "chatcmpl-abc_2"],  # batch chat's
+        ["cmpl-x-7", "cmpl-x-7-x", "y"],
+    ],
+)  # a caller's own ids: never read
+def test_each_prompt_of_a_multi_prompt_route_request_is_a_group_of_its_own(extra, ids):
+    from qmc_sampler.vllm_plugin.processor import QMCLogitsProcessor  # noqa: F401 (installs the route wrap)
+
+    shared = dict(extra)  # vLLM hands every prompt of one request the same vllm_xargs dict
+    placed = _route_admits([shared, shared, shared], ids)
     seeds = [r.seed for r in placed]
     assert len(set(seeds)) == 3 and len({r.group for r in placed}) == 3
     assert seeds[1] == prompt_seed(seeds[0], 1) and seeds[2] == prompt_seed(seeds[0], 2)
+    assert [prompt_index(p) for p in placed] == [0, 0, 0]  # QMCRequest has no extra_args: 0
     if "qmc_seed" in extra:
         assert seeds[0] == 7  # prompt 0 keeps the request's seed: one prompt alone is unchanged
+
+
+@pytest.mark.parametrize("request_id", ["cmpl-job-3", "cmpl-abc-12", "chatcmpl-x_2", None])
+def test_a_direct_engine_callers_ids_never_change_an_explicit_members_seed(request_id):
+    # AsyncLLM/LLMEngine callers choose their own ids and never pass through a route: every request
+    # is prompt 0, whatever its id looks like.
+    extra = {"qmc_method": "lattice", "qmc_seed": 5, "qmc_group": "g", "qmc_n": 8, "qmc_index": 2}
+    with admitting(request_id):
+        request = resolve(SamplingParams(n=1, extra_args=dict(extra)))
+    assert (request.seed, request.index, request.group) == (5, 2, "user:g:lattice:5")
+
+
+def test_identical_conversations_of_one_batch_chat_request_are_distinct_groups():
+    from qmc_sampler.vllm_plugin.processor import QMCLogitsProcessor  # noqa: F401
+
+    placed = _route_admits([{"qmc_method": "lattice"}] * 2, ["chatcmpl-b_0", "chatcmpl-b_1"])
+    assert placed[0].group != placed[1].group  # request groups: fresh seeds and groups each
+    seeded = _route_admits([{"qmc_method": "lattice", "qmc_seed": 3}] * 2, ["chatcmpl-c_0", "chatcmpl-c_1"])
+    assert seeded[0].seed == 3 and seeded[1].seed == prompt_seed(3, 1)
 
 
 def test_auto_grouping_can_be_switched_off_with_a_bool_offline():
