@@ -142,3 +142,46 @@ def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env, docs
     assert len(read_samples(out / "samples.jsonl")) == 2 * 2 * 4
     assert score_command.argv[1:3] == ["-m", "qmc_sampler.eval"] and cli_main(score_command.argv[3:]) == 0
     assert "lattice" in capsys.readouterr().out and (out / "passk.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_model, tmp_path, capsys):
+    # --until-correct: round j sends members [2j, 2j + 2) of one lattice group of 8; each is member i
+    # of the design (equal to the reference loop's member i), and a problem stops at its first
+    # correct member's round. The verifier (a regex) passes some of the tiny model's texts, not all.
+    from qmc_sampler.eval.cli import main as cli_main
+
+    task_file = tmp_path / "t.jsonl"
+    task_file.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {w}:", "answer": "[ae]"}) + "\n"
+                                 for i, w in enumerate(("hello", "there", "friend"))))  # fmt: skip
+    options = {"verifier": "regex"}
+    cfg = config(tmp_path / "u", task=f"jsonl:{task_file}", task_options=options, problems=3, groups=1, n=8,
+                 temperature=1.5, until_correct=1, round_size=2)  # fmt: skip
+    records = read_samples(run(cfg, engine=llm, progress=False) / "samples.jsonl")
+    tokenizer = llm.get_tokenizer()
+    task = get_task(cfg.task, **options)
+    for problem in task.problems(3, 0):
+        prompt = tokenizer.encode(problem.prompt)
+
+        def next_logits(prefixes, prompt=prompt):
+            import torch
+
+            with torch.no_grad():
+                return torch.cat([hf_model(torch.tensor([list(prompt) + p])).logits[0, -1:] for p in prefixes])
+
+        seed = group_seed(0, cfg.task, problem.problem_id, 0)
+        reference = sample_group(next_logits, GroupSpec("lattice", 8, seed), 6, temperature=1.5,
+                                 eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        mine = sorted((r for r in records if r["sampler"] == "lattice" and r["problem"] == problem.problem_id),
+                      key=lambda r: r["member"])  # fmt: skip
+        assert [r["member"] for r in mine] == list(range(len(mine))) and [r["round"] for r in mine] == [
+            m // 2 for m in range(len(mine))
+        ]
+        for r in mine:
+            assert tokenizer.decode(reference[r["member"]], skip_special_tokens=True).startswith(r["text"]), r
+        scores = [r["score"] for r in mine]
+        first = scores.index(True) + 1 if True in scores else None
+        assert len(mine) == (8 if first is None else -(-first // 2) * 2)
+    assert {r["sampler"] for r in records} == {"iid", "lattice"}
+    assert any(r["score"] for r in records) and not all(r["score"] for r in records)
+    assert cli_main(["score", cfg.out, "--resamples", "200"]) == 0
+    assert "samples to 1 correct (cap 8, rounds of 2)" in capsys.readouterr().out
