@@ -135,7 +135,7 @@ def test_a_lattice_first_correct_member_is_biased_on_the_constructed_case():
     members of one extensible group — which is why the unbiased mode gives each round its own group."""
     case = constructed_case()
     results = run(case, "lattice", "first", 2, 1)
-    p, tv = wald_pvalue(returned_tokens(results), case[1], case[2])
+    p, _tv = wald_pvalue(returned_tokens(results), case[1], case[2])
     share = np.mean([r.returned[0].token_ids == (0,) for r in results if r.solved])
     assert p < ALPHA and abs(share - 0.05 / 0.9) < 0.02, (p, share)
     p_all, _ = wald_pvalue(returned_tokens(results, "all"), case[1], case[2])
@@ -158,7 +158,7 @@ def test_rounds_are_consecutive_members_of_one_group_and_stop_at_want_or_cap(toy
 
 
 def test_the_unbiased_mode_gives_each_round_its_own_group(toy_model):
-    logits, _, _, steps = toy_case(toy_model)
+    logits, _, _, _steps = toy_case(toy_model)
     results = run(toy_case(toy_model), "lattice", "unbiased", cap=6, round_size=2, prompts=30)
     for r in results:
         for j in range(r.spent // 2):
