@@ -322,11 +322,11 @@ def run_rounds(
                 done = len(members[t.key])
                 job = round_job(t, mode, cap, r, done // r, done)
                 jobs.append(job)
-                owner[id(job)] = t
+                owner[job.key] = t  # a round's key is unique (unbiased rounds name theirs)
 
             def on_round(job: GroupJob, completions: list[Completion], owner: dict = owner) -> None:
                 nonlocal spent
-                t = owner[id(job)]
+                t = owner[job.key]
                 j = len(members[t.key]) // r
                 verdicts = [score(t, c.text) for c in completions]
                 new = [Member(j, m, c.text, bool(v["correct"]), c.finish_reason, c.token_ids)
@@ -343,9 +343,9 @@ def run_rounds(
 
             backend.run(jobs, on_round)
             short = [
-                owner[id(j)].key
+                owner[j.key].key
                 for j in jobs
-                if len(members[owner[id(j)].key]) != before[owner[id(j)].key] + len(j.member_ids)
+                if len(members[owner[j.key].key]) != before[owner[j.key].key] + len(j.member_ids)
             ]
             if short:  # a backend that dropped a round would otherwise loop on it forever
                 raise RuntimeError(f"the backend returned no round for {short[:3]} ({len(short)} prompts)")
@@ -425,6 +425,9 @@ class HostBackend:
             ``prompts[j]`` (the job's ``prompt`` or ``messages``) after the generated tokens ``prefixes[j]``.
         eos_token_id: a member stops after drawing it (included); decode: token ids → text
             (default: the ids as JSON).
+
+    A job's ``sampling`` gives ``temperature``, ``top_k``, ``top_p``, ``min_p`` (vLLM's meanings)
+    and ``max_tokens`` (16 if not given); ``stop`` strings are not applied.
     """
 
     supports_rounds = True
