@@ -29,15 +29,16 @@ __all__ = ["MRV2Slots", "V1Rows"]
 
 
 def admit_params(
-    registry: MemberRegistry, params: Any, prompt_ids: Any, output_ids: Any, identity: Any
+    registry: MemberRegistry, params: Any, prompt_ids: Any, output_ids: Any, identity: Any, again: bool = False
 ) -> Member | None:
-    """Admit a request if it has a design and samples randomly (greedy rows are never touched)."""
+    """Admit a request if it has a design and samples randomly (greedy rows are never touched);
+    ``again``: see :meth:`MemberRegistry.admit`."""
     if params is None or params.temperature < SAMPLING_EPS:
         return None
     request = read_request(params.extra_args)
     if request is None:
         return None
-    return registry.admit(request, RowSampling.of(params), prompt_ids, output_ids, identity)
+    return registry.admit(request, RowSampling.of(params), prompt_ids, output_ids, identity, again=again)
 
 
 class V1Rows:
@@ -114,6 +115,7 @@ class MRV2Slots:
         self.req_states = req_states
         self.slots: dict[int, Member] = {}
         self.params: dict[int, Any] = {}  # slot → its request's params (to admit it again, see ``active``)
+        self.prompts: dict[int, list[int]] = {}  # slot → its request's prompt, on the host (read at admission)
         self.away: set[int] = set()  # slots whose member is parked (not in the last batch)
         self._arriving: list[tuple[int, Any]] = []
 
@@ -138,6 +140,7 @@ class MRV2Slots:
             member = admit_params(self.registry, params, tokens[:prompt_len], tokens[prompt_len:], id(params))
             if member is None:
                 continue
+            self.prompts[slot] = tokens[:prompt_len]
             for old, m in list(self.slots.items()):  # a resumed member leaves the slot it was away from
                 if m is member:
                     del self.slots[old]
@@ -194,20 +197,27 @@ class MRV2Slots:
         return row_ids, members
 
     def _admit_again(self, slot: int, length: int) -> Member | None:
-        """Admit the running request in ``slot`` (``length`` tokens so far) as a new member."""
-        params = self.params[slot]
-        prompt_len = int(self.req_states.prompt_len.np[slot])
-        tokens = self.req_states.all_token_ids.gpu[slot, :length].tolist()  # rare: only after a drop
-        member = admit_params(self.registry, params, tokens[:prompt_len], tokens[prompt_len:], None)
+        """Admit the running request in ``slot`` (at ``length`` tokens in this step) as a new member.
+
+        From the host only: its prompt as read at its admission (a partial prefill chunk's
+        ``length`` would cut it short: another auto-group key), and its accepted output count,
+        at least the refill's (``prefill_len``). The output's ids are not needed: a member admitted
+        again goes on with fresh uniforms and is never matched by its history.
+        """
+        params, prompt = self.params[slot], self.prompts[slot]
+        done = max(length, int(self.req_states.prefill_len.np[slot])) - len(prompt)
+        member = admit_params(self.registry, params, prompt, range(max(done, 0)), None, again=True)
         if member is None:
             del self.slots[slot]
             self.params.pop(slot, None)
+            self.prompts.pop(slot, None)
         else:
             self.slots[slot] = member
         return member
 
     def _release(self, slot: int) -> None:
         self.params.pop(slot, None)
+        self.prompts.pop(slot, None)
         old = self.slots.pop(slot, None)
         if old is not None and slot not in self.away:
             self.registry.park(old)

@@ -337,6 +337,7 @@ class MemberRegistry:
         prompt_ids: Sequence[int],
         output_ids: Sequence[int],
         identity: Hashable = None,
+        again: bool = False,
     ) -> Member:
         """The member of a request entering the batch: its parked member back, or a new one.
 
@@ -347,14 +348,17 @@ class MemberRegistry:
             output_ids: the tokens it has generated so far (non-empty after preemption).
             identity: what names the request across removal and re-adding, if the
                 adapter knows (V1: its output list's id; MRV2: its params object's id).
+            again: the request ran before and its member was dropped (MRV2 knows): no parked
+                member is looked for, only ``len(output_ids)`` is read, and it is placed as a
+                re-admitted request (never numbered again in its group).
 
         Returns:
             The member, in the batch (it has a pool row).
         """
         key = self.resolver.key(request, prompt_ids)
         # The output's history is hashed once here, whatever the number of parked members.
-        at, after, history = history_fingerprints(output_ids)
-        member = self._unpark(key, identity, len(output_ids), at, after)
+        at, after, history = history_fingerprints(output_ids) if not again else ((), None, -1)
+        member = self._unpark(key, identity, len(output_ids), at, after) if not again else None
         if member is not None:
             self.stats.restored += 1
             member.identity = identity
@@ -372,7 +376,7 @@ class MemberRegistry:
             return member
         # A request with a history that matched no parked member ran before: it is not numbered
         # again in its group (place's ``again``).
-        placement = self.resolver.place(request, key, again=bool(output_ids))
+        placement = self.resolver.place(request, key, again=again or bool(output_ids))
         state = MemberState(spec=placement.spec, member=placement.member, fresh=placement.fresh)
         member = Member(placement, state, sampling, key, identity)
         self.stats.admitted += 1

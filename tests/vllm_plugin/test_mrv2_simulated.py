@@ -250,6 +250,38 @@ def test_a_member_dropped_while_its_request_was_unscheduled_goes_on_fresh_and_co
     assert stats["admitted"] == N + 2, stats  # the two came back as new members
 
 
+def test_a_member_dropped_during_a_chunked_prefill_rejoins_its_auto_group_from_the_host(
+    cpu_mrv2_buffers, vllm_config, hf_model, host_reads
+):
+    # Four n = 1 repeats of one 8-token prompt (one auto group), prefilled 2 tokens a step. One is
+    # left out of step 1 and its parked member dropped at once: at step 2 it is admitted again in the
+    # middle of its prefill. Its prompt must be the whole prompt (its auto-group key), read on the host.
+    runner = SimulatedMRV2Runner(vllm_config, hf_model, chunk=2)
+    runner.processor.registry.max_parked_per_key = 0  # every park drops at once
+    prompt = [1, 70, 122, 35, 9, 17, 23, 40]
+    for i in range(4):
+        params = SamplingParams(n=1, max_tokens=3, extra_args={"qmc_method": "lattice", "qmc_seed": 7})
+        runner.submit(f"r{i}", prompt, params)
+    adapter, lengths = runner.processor.mrv2, []
+    original = adapter._admit_again
+
+    def admit_again(slot, length):
+        lengths.append(length)
+        host_reads.recording = True
+        try:
+            return original(slot, length)
+        finally:
+            host_reads.recording = False
+
+    adapter._admit_again = admit_again
+    runner.run(unscheduled_at=[(1, "r2")])
+    assert lengths == [4]  # admitted again at 4 of its 8 prompt tokens
+    assert host_reads.reads == [], host_reads.reads  # nothing read back from the device for it
+    stats = runner.processor.stats()
+    assert stats["auto_groups"] == 1 and stats["auto_members"] == 5, stats  # the same group: its 5th member
+    assert all(len(runner.outputs[f"r{i}"]) == 3 for i in range(4))
+
+
 def test_slots_are_reused_and_groups_stay_apart(cpu_mrv2_buffers, vllm_config, hf_model):
     runner = SimulatedMRV2Runner(vllm_config, hf_model, max_num_reqs=10)
     runner.submit(
