@@ -23,7 +23,7 @@ from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int
 from qmc_sampler.processing import SAMPLING_EPS
 
-__all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_request"]
+__all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_other_route", "plan_request"]
 
 FIELDS = ("sampler", "sampler_seed", "sampler_offset", "sampler_group_size")
 LEAST_LOADED = ""
@@ -49,8 +49,9 @@ class Plan:
     ``vllm_xargs`` completed), the ``design`` applied (None: greedy), the ``seed`` reported
     (None: an auto group without one), ``n``, ``members`` (n × prompts), ``groups``
     (prompts), and ``placement`` under data parallelism: None (anywhere),
-    :data:`LEAST_LOADED` (one engine: an ``n > 1`` group), or a prompt key (auto-group
-    repeats meet on the engine it picks).
+    :data:`LEAST_LOADED` (one engine: an ``n > 1`` group), or a key (auto-group repeats of
+    a prompt, or the requests of a caller's ``qmc_group`` without ``qmc_index``, meet on the
+    engine it picks).
     """
 
     body: dict[str, Any]
@@ -154,8 +155,7 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
             xargs["qmc_seed"] = seed
         out["vllm_xargs"] = xargs
         prompt = body.get("messages") if chat else body.get("prompt")
-        key = hashlib.blake2b(json.dumps(prompt, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
-        return Plan(out, method, seed, n, members, groups, key)
+        return Plan(out, method, seed, n, members, groups, _key(prompt))
     else:
         size = offset + n if size is None else size
         if offset > 0 and body.get("sampler_group_size") is None:
@@ -174,7 +174,54 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
         seed = secrets.randbits(63) if seed is None else seed
         xargs |= {"qmc_group": uuid.uuid4().hex, "qmc_seed": seed, "qmc_index": offset, "qmc_n": size}
     out["vllm_xargs"] = xargs
-    return Plan(out, method, seed, n, members, groups, LEAST_LOADED if n > 1 else None)
+    return Plan(out, method, seed, n, members, groups, _group_engine(xargs) or (LEAST_LOADED if n > 1 else None))
+
+
+def plan_other_route(path: str, body: dict[str, Any], *, max_n: int) -> Plan:
+    """The members and engine placement of a request on one of vLLM's other sampling routes
+    (``/v1/chat/completions/batch``, ``/v1/responses``, ``/inference/v1/generate``, …), which
+    qmc-serve passes on unchanged: the same ``--max-n``, member limit and pinning as
+    ``/v1/completions``.
+
+    Members are n × prompts: ``n`` at the top level or in ``sampling_params`` (the token route),
+    prompts the conversations of a batch-chat body or the items of a generative-scoring body (one
+    otherwise). Several members stay on one engine (:data:`LEAST_LOADED`); a lone member goes where
+    its prompt hashes (auto-group repeats meet), and a caller's ``qmc_group`` without ``qmc_index``
+    to its group's engine.
+
+    Raises:
+        FieldError: ``n`` not an integer in [1, ``max_n``], naming the route.
+    """
+    params = body.get("sampling_params")
+    n = body.get("n", params.get("n", 1) if isinstance(params, dict) else 1)
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= max_n:
+        raise FieldError(f"n={n!r} on {path} must be an integer between 1 and {max_n} (this server's --max-n)", "n")
+    prompts = body.get("messages") if path.endswith("/batch") else body.get("items")
+    groups = len(prompts) if isinstance(prompts, list) and prompts else 1
+    members = n * groups
+    xargs = body.get("vllm_xargs")
+    if isinstance(params, dict) and not isinstance(xargs, dict):
+        xargs = params.get("extra_args")
+    placement = _group_engine(xargs) if isinstance(xargs, dict) else None
+    if placement is None:
+        prompt = {k: body.get(k) for k in ("messages", "input", "prompt", "token_ids", "query", "items")}
+        placement = LEAST_LOADED if members > 1 else _key(prompt)
+    return Plan(body, None, None, n, members, groups, placement)
+
+
+def _group_engine(xargs: dict[str, Any]) -> str | None:
+    """The engine key of a caller's explicit group whose members the engine numbers by arrival
+    (``qmc_group`` without ``qmc_index``): all of them on one engine, so that one counter numbers
+    them (the plugin salts such groups per engine, so two engines never repeat a member, but they
+    would split it into two groups)."""
+    if xargs.get("qmc_group") is None or xargs.get("qmc_index") is not None:
+        return None
+    return _key(["qmc_group", xargs["qmc_group"]])
+
+
+def _key(value: Any) -> str:
+    return hashlib.blake2b(json.dumps(value, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
 def _is_int(value: Any) -> bool:

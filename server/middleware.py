@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qmc_sampler.server.admission import MemberLimiter
-from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_request
+from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_other_route, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
 from qmc_sampler.vllm_plugin.compat import locate
 from starlette.datastructures import Headers
@@ -146,7 +146,8 @@ class QMCServeMiddleware:
     async def _serve(self, server: _Server, scope: dict[str, Any], receive: Any, send: Any, path: str) -> None:
         started = time.monotonic()
         if path not in ENDPOINTS and path != INVOCATIONS and not _is_json(scope):
-            await self.app(scope, receive, send)  # a form upload (audio): no JSON fields to map or refuse
+            # A form upload (audio): no JSON fields to map or refuse; one member, counted like any other.
+            await self._pass_on(server, scope, receive, send, Plan({}, None, None, 1, 1, 1, None), path, started)
             return
         raw = await _read_body(scope, receive, server.args.max_body_bytes)
         if raw is None:
@@ -174,7 +175,12 @@ class QMCServeMiddleware:
                 )
                 await _refuse(send, error, RejectedBy.INVALID)
                 return
-            await self.app(scope, _replay(raw, receive), send)
+            try:
+                other = plan_other_route(path, body, max_n=server.args.max_n)
+            except FieldError as e:
+                await _refuse(send, e, RejectedBy.INVALID)
+                return
+            await self._pass_on(server, scope, _replay(raw, receive), send, other, path, started)
             return
         try:
             try:
@@ -203,6 +209,34 @@ class QMCServeMiddleware:
                 METRICS.members.labels(design).inc(plan.members)
                 METRICS.groups.labels(design).inc(plan.groups)
             log_request(reply.id, path, design, plan.n, plan.seed, reply.status, time.monotonic() - started)
+
+    async def _pass_on(self, server: _Server, scope: dict[str, Any], receive: Any, send: Any, plan: Plan, path: str,
+                       started: float) -> None:  # fmt: skip
+        """vLLM's route with the body as sent, under the member limit and the engine pinning of
+        ``/v1/completions`` (the server's design applies there through the plugin's drop-in)."""
+        try:
+            await server.limiter.acquire(plan.members)
+        except FieldError as e:
+            await _refuse(send, e, RejectedBy.CAPACITY if e.status == 429 else RejectedBy.INVALID)
+            return
+        METRICS.in_flight.inc(plan.members)
+        status: list[int] = []
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            rank = self._engine_for(scope, plan)
+            if rank is not None:
+                scope = dict(scope, headers=[*scope["headers"], (b"x-data-parallel-rank", str(rank).encode())])
+            await self.app(scope, receive, watched)
+        finally:
+            METRICS.in_flight.dec(plan.members)
+            await server.limiter.release(plan.members)
+            log_request(None, path, server.args.sampler, plan.n, None, status[0] if status else 0,
+                        time.monotonic() - started)  # fmt: skip
 
     def _engine_for(self, scope: dict[str, Any], plan: Plan) -> int | None:
         """The data-parallel engine to pin a group to, or None (one engine, or nothing to keep together)."""

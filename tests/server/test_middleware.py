@@ -167,3 +167,72 @@ def test_nothing_generates_without_the_key_whatever_the_root_path(path, root_pat
 def test_invocations_alone_are_open_when_the_server_opts_out():
     assert post_through_the_middleware("/invocations", without_key_flag=True) == (200, True)  # authenticated in front
     assert post_through_the_middleware("/generative_scoring", without_key_flag=True) == (401, False)
+
+
+def post_body(path: str, body: dict, held: int = 0):
+    """POST ``body`` to ``path`` through the middleware (key given, limit 8 members, ``held`` of them
+    already in flight): (status, error message or None, whether vLLM's stand-in app was reached)."""
+    from types import SimpleNamespace
+
+    from qmc_sampler.server.middleware import QMCServeMiddleware
+
+    reached = []
+
+    async def vllm_app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    args = SimpleNamespace(api_key=["k3y"], api_server_count=1, max_members_in_flight=8, queue_timeout=0.0,
+                           max_body_bytes=1 << 16, sampler="lattice", max_n=8,
+                           invocations_without_key=False)  # fmt: skip
+    app = SimpleNamespace(state=SimpleNamespace(args=args, engine_client=None))
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "app": app,
+             "headers": [(b"content-type", b"application/json"), *KEY]}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        middleware = QMCServeMiddleware(vllm_app)
+        limiter = middleware._server(scope).limiter
+        if held:
+            await limiter.acquire(held)
+        await middleware(scope, receive, send)
+        return limiter.in_flight
+
+    left = asyncio.run(run())
+    assert left == held  # whatever happened, the request's members were given back
+    error = json.loads(sent[-1]["body"]).get("error") if sent[0]["status"] != 200 else None
+    return sent[0]["status"], error and error["message"], bool(reached)
+
+
+CONVERSATION = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions/batch", {"messages": [CONVERSATION] * 3}),
+        ("/v1/responses", {"input": "hi", "n": 3}),
+        ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 3}}),
+        ("/generative_scoring", {"query": "q", "items": ["a", "b", "c"]}),
+        ("/v1/completions", {"prompt": ["a", "b", "c"]}),
+    ],
+)
+def test_every_generating_route_counts_its_members_against_the_limit(path, body):
+    assert post_body(path, body)[0] == 200
+    status, message, reached = post_body(path, body, held=6)  # 3 members, 2 free: the 429 of /v1/completions
+    assert (status, reached) == (429, False) and "--max-members-in-flight" in message
+    status, message, reached = post_body(path, body, held=5)  # they fit exactly
+    assert (status, reached) == (200, True)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/batch", "/v1/responses", "/v1/messages"])
+def test_n_beyond_max_n_is_refused_on_every_route(path):
+    status, message, reached = post_body(path, {"messages": [CONVERSATION], "input": "hi", "n": 9})
+    assert (status, reached) == (400, False) and "--max-n" in message

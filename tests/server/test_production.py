@@ -378,6 +378,41 @@ def test_other_sampling_routes_refuse_sampler_fields_naming_the_route(server, pa
     assert error["param"] == "sampler" and f"not taken on {path}" in error["message"]
 
 
+GENERATING = {  # every other route that samples, with a one-member body
+    "/v1/chat/completions/batch": {"messages": [[{"role": "user", "content": "hi"}]], "max_tokens": 1},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/inference/v1/generate": {"token_ids": [1, 70, 122], "sampling_params": {"max_tokens": 1}},
+}
+
+
+def test_every_generating_route_obeys_the_member_limit(server):
+    # Beyond the limit in one request: the 400 of /v1/completions (conversations, or n, count as members).
+    conversations = {"messages": [[{"role": "user", "content": "hi"}]] * (LIMIT + 1), "max_tokens": 1}
+    generate = {"token_ids": [1, 70, 122], "sampling_params": {"n": LIMIT + 1, "max_tokens": 1}}
+    for path, body in (("/v1/chat/completions/batch", conversations), ("/inference/v1/generate", generate)):
+        response = completion(server, body, path)
+        assert response.status_code == 400, response.text
+        assert f"--max-members-in-flight={LIMIT}" in response.json()["error"]["message"]
+    too_many = completion(server, {**GENERATING["/v1/responses"], "n": 129}, "/v1/responses")
+    assert too_many.status_code == 400 and "--max-n" in too_many.json()["error"]["message"]
+    # With the limit held by a long group, every route gets the 429 of /v1/completions.
+    long = {"prompt": PROMPT, "n": LIMIT, "max_tokens": 480, "min_tokens": 480}
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(completion, server, long)
+        while stats(server)["members_in_flight"] < LIMIT and not held.done():
+            time.sleep(0.01)
+        refused = {path: completion(server, body, path) for path, body in GENERATING.items()}
+        assert held.result().status_code == 200
+    for path, response in refused.items():
+        assert response.status_code == 429, (path, response.text)
+        assert "--max-members-in-flight" in response.json()["error"]["message"] and response.headers["Retry-After"]
+    assert stats(server)["members_in_flight"] == 0
+    again = {path: completion(server, body, path) for path, body in GENERATING.items()}  # room again: served
+    assert {again[p].status_code for p in ("/v1/chat/completions/batch", "/v1/messages")} == {200}
+    assert not {r.status_code for r in again.values()} & {400, 429}, {p: r.text for p, r in again.items()}
+
+
 def test_other_sampling_routes_get_the_servers_design_through_the_drop_in(server):
     admitted = sum(e["admitted"] for e in stats(server)["engines"])
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
