@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 from prometheus_client import Counter, Gauge
 
@@ -36,9 +37,21 @@ def log_request(request_id: str | None, endpoint: str, design: str, n: int, seed
                 latency_s: float) -> None:  # fmt: skip
     """Write the request's log line (see the module docstring)."""
     if not _log.handlers:  # vLLM configures its own loggers only
-        _log.addHandler(logging.StreamHandler())  # the default format: the message alone
+        _log.addHandler(logging.StreamHandler(_Undecorated()))  # the default format: the message alone
         _log.setLevel(logging.INFO)
         _log.propagate = False
     line = {"event": "request", "id": request_id, "endpoint": endpoint, "design": design, "n": n, "seed": seed,
             "status": status, "latency_s": round(latency_s, 4)}  # fmt: skip
     _log.info(json.dumps(line))
+
+
+class _Undecorated:
+    """stderr as it was before vLLM < 0.32 prefixed every line of the API server's output with
+    ``(APIServer pid=N)`` (``vllm.utils.system_utils.decorate_logs``): each request line stays JSON."""
+
+    def write(self, text: str) -> int:
+        write = getattr(sys.stderr, "_original_write", sys.stderr.write)
+        return write(text) or 0
+
+    def flush(self) -> None:
+        sys.stderr.flush()

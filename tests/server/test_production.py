@@ -190,7 +190,7 @@ def test_lattice_members_under_a_json_schema_are_valid_and_balanced(server):
         messages=[{"role": "user", "content": "pick a word"}],
         n=8,
         max_tokens=24,
-        temperature=1.5,
+        temperature=1.0,  # the reported (raw) logprobs are then the distribution the members are drawn from
         logprobs=True,
         top_logprobs=20,
         response_format={"type": "json_schema", "json_schema": {"name": "word", "schema": SCHEMA}},
