@@ -107,6 +107,23 @@ def test_one_seed_on_every_repeat_gives_distinct_samples_and_the_same_group_agai
     assert generate(llm, [prompt] * 32, params) == first
 
 
+def test_two_engines_started_alike_build_different_groups_from_the_same_seeded_repeats(
+    llm, llm_factory, tiny_model_dir, drop_in, monkeypatch
+):
+    # Two replicas started alike (engine seed 0, rank 0), each given lm-eval's `seed: 1234` repeats:
+    # each engine client's instance salt makes its group its own, so the replicas' answers are not
+    # copies of each other (pinned with QMC_SAMPLER_SALT they are one group: test_grouping.py).
+    prompt = [1, 250, 7]
+    params = SamplingParams(temperature=T, max_tokens=6, seed=1234)
+    monkeypatch.delenv("QMC_SAMPLER_SALT", raising=False)
+    other = llm_factory(tiny_model_dir)
+    try:
+        mine, theirs = sorted(generate(llm, [prompt] * 8, params)), sorted(generate(other, [prompt] * 8, params))
+        assert mine != theirs
+    finally:
+        other.llm_engine.engine_core.shutdown()
+
+
 def test_repeats_while_the_group_is_open_extend_it(llm, hf_model, drop_in, monkeypatch):
     monkeypatch.setenv("QMC_SAMPLER_GROUP_TTL", "600")
     prompt = [1, 5, 77, 200]
