@@ -107,21 +107,26 @@ def test_one_seed_on_every_repeat_gives_distinct_samples_and_the_same_group_agai
     assert generate(llm, [prompt] * 32, params) == first
 
 
-def test_two_engines_started_alike_build_different_groups_from_the_same_seeded_repeats(
-    llm, llm_factory, tiny_model_dir, drop_in, monkeypatch
-):
+def test_two_engines_started_alike_build_different_groups_from_the_same_seeded_repeats(tiny_model_dir, run_script):
     # Two replicas started alike (engine seed 0, rank 0), each given lm-eval's `seed: 1234` repeats:
     # each engine client's instance salt makes its group its own, so the replicas' answers are not
-    # copies of each other (pinned with QMC_SAMPLER_SALT they are one group: test_grouping.py).
-    prompt = [1, 250, 7]
-    params = SamplingParams(temperature=T, max_tokens=6, seed=1234)
-    monkeypatch.delenv("QMC_SAMPLER_SALT", raising=False)
-    other = llm_factory(tiny_model_dir)
-    try:
-        mine, theirs = sorted(generate(llm, [prompt] * 8, params)), sorted(generate(other, [prompt] * 8, params))
-        assert mine != theirs
-    finally:
-        other.llm_engine.engine_core.shutdown()
+    # copies of each other (pinned with QMC_SAMPLER_SALT they are one group: test_grouping.py). In a
+    # process of their own: shutting an in-process engine down tears down the parallel state that
+    # this module's engine shares.
+    result = run_script(f"""
+        import json, os
+        os.environ["QMC_SAMPLER"] = "lattice"
+        os.environ.pop("QMC_SAMPLER_SALT", None)
+        from vllm import LLM, SamplingParams
+        engines = [LLM(model={tiny_model_dir!r}, enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
+                   for _ in range(2)]
+        params = SamplingParams(temperature={T}, max_tokens=6, seed=1234)
+        groups = [sorted(tuple(o.outputs[0].token_ids) for o in engine.generate(
+                      [{{"prompt_token_ids": [1, 250, 7]}}] * 8, params, use_tqdm=False)) for engine in engines]
+        print(json.dumps({{"groups": groups}}))
+    """)
+    mine, theirs = result["groups"]
+    assert len(mine) == len(theirs) == 8 and mine != theirs
 
 
 def test_repeats_while_the_group_is_open_extend_it(llm, hf_model, drop_in, monkeypatch):
