@@ -182,10 +182,14 @@ def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
     one()
     assert statuses.get(200, 0) >= EXAMPLES // 10 and any(400 <= s < 500 for s in statuses), statuses
     assert httpx.get(url + "/health").status_code == 200
-    deadline = time.monotonic() + 10
-    while (stats := httpx.get(url + "/stats").json())["unfinished_requests"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert (stats["unfinished_requests"], stats["members_in_flight"]) == (0, 0), stats
     ok = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the quick brown", "n": 4,
-                                                   "max_tokens": 2, "sampler": "stratified"})  # fmt: skip
+                                                   "max_tokens": 2, "sampler": "stratified"}, timeout=300)  # fmt: skip
     assert ok.status_code == 200 and ok.json()["sampler"] == "stratified"
+    # Nothing left behind. The request above finished after every abort sent before it reached the
+    # engine (one input queue), so the engine's count is final; the front end's member count is
+    # released as each reply ends. Polled until both are 0: the bound is only there so that a leaked
+    # request fails the test instead of hanging it, not a time the server must keep.
+    backstop = time.monotonic() + 300
+    while (stats := httpx.get(url + "/stats", timeout=60).json())["unfinished_requests"] or stats["members_in_flight"]:
+        assert time.monotonic() < backstop, stats
+        time.sleep(0.1)
