@@ -173,12 +173,12 @@ def test_parked_members_are_bounded_per_group_key_oldest_first(caplog):
     for m, t in zip(hot[2:], (12, 13, 14), strict=True):  # the hot key keeps its newest three
         assert admit(reg, output=[t]) is m
     assert [admit(reg, request("req:other"), [10]) for _ in other] == other  # the other key untouched
-    # A dropped member's request comes back: unmatched, so a new member index with fresh
-    # uniforms (exact), counted as lost, never a sibling's member.
+    # A dropped member's request comes back: unmatched, so an orphan — a seed of its own, fresh
+    # uniforms (exact), counted as lost and as an orphan — never a sibling's member.
     lost = reg.stats.lost
     again = admit(reg, output=[10])
     assert again is not hot[0] and again.state.fresh and reg.stats.lost == lost + 1
-    assert again.placement.member == len(hot)  # the key's next index
+    assert again.placement.spec.seed not in {m.placement.spec.seed for m in hot} and reg.resolver.stats.orphans == 1
 
 
 def test_parked_members_are_bounded_in_all():
