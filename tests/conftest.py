@@ -35,6 +35,7 @@ COSTLIEST_FIRST = (
     "server/test_server.py",  # [60]
     "server/test_data_parallel.py",  # [60]
     "eval/test_runner.py",
+    "eval/test_until_endpoint.py",  # [115] a vLLM server for the rounds over HTTP
     "vllm_plugin/test_inactive_paths.py",
     "server/test_production.py",
     "integrations/test_trl.py",

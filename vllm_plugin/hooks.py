@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from qmc_sampler.vllm_plugin import compat
-from qmc_sampler.vllm_plugin.request_args import engine_facts
+from qmc_sampler.vllm_plugin.request_args import engine_facts, install_prompt_marks
 
 __all__ = ["register"]
 
@@ -40,7 +40,7 @@ def register() -> None:
     install()
     _record_engine_facts()
     _keep_model_runner_v2_choice()
-    _record_request_ids()
+    install_prompt_marks()
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(WorkerBase, "qmc_sampler_stats"):
@@ -95,8 +95,13 @@ def _record_engine_facts_at_verify() -> None:
 
     @functools.wraps(original)
     def verify(self: Any, model_config: Any, speculative_config: Any, *args: Any, **kwargs: Any) -> Any:
-        runner = "mrv2" if _mrv2_without_processors() else "v1"
-        with engine_facts(_engine_facts(speculative_config, model_config, runner)):
+        # One engine's facts (its instance salt among them) for all its requests: built at its first
+        # request, as vLLM >= 0.31 builds them once when the engine's input processor starts.
+        facts = _facts_by_engine.get(id(model_config))
+        if facts is None:
+            runner = "mrv2" if _mrv2_without_processors() else "v1"
+            facts = _facts_by_engine[id(model_config)] = _engine_facts(speculative_config, model_config, runner)
+        with engine_facts(facts):
             return original(self, model_config, speculative_config, *args, **kwargs)
 
     verify._qmc_wrapped = True  # type: ignore[attr-defined]
@@ -131,6 +136,8 @@ def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> An
 
 
 _warned_engines: set[int] = set()
+#: vLLM < 0.31: each engine's facts, by its model config (one per engine client; engines are few).
+_facts_by_engine: dict[int, Any] = {}
 
 
 # ---- Model Runner V2 before vLLM 0.31 --------------------------------------------------------------
@@ -205,32 +212,3 @@ def _say_once(key: str, message: str) -> None:
     if key not in _said:
         _said.add(key)
         logger.warning(message)
-
-
-def _record_request_ids() -> None:
-    try:
-        from vllm.v1.engine.input_processor import InputProcessor
-
-        original = InputProcessor.process_inputs
-    except (ImportError, AttributeError) as e:
-        logger.warning(
-            "qmc-sampler: cannot see request ids at admission (%s); the prompts of a multi-prompt completion "
-            "request with a design share one seed, so identical prompts in it return identical samples",
-            e,
-        )
-        return
-    if getattr(original, "_qmc_wrapped", False):
-        return
-
-    # Wrapped on the class before any engine is built: vLLM binds ``process_inputs_async`` to it
-    # in ``InputProcessor.__init__``, and runs it in one thread, so the context variable holds.
-    @functools.wraps(original)
-    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from qmc_sampler.vllm_plugin.request_args import admitting
-
-        request_id = kwargs.get("request_id", args[0] if args else None)
-        with admitting(request_id if isinstance(request_id, str) else None):
-            return original(self, *args, **kwargs)
-
-    process_inputs._qmc_wrapped = True  # type: ignore[attr-defined]
-    InputProcessor.process_inputs = process_inputs
