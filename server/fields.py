@@ -193,10 +193,15 @@ def plan_other_route(path: str, body: dict[str, Any], *, max_n: int) -> Plan:
         FieldError: ``n`` not an integer in [1, ``max_n``], naming the route.
     """
     params = body.get("sampling_params")
-    n = body.get("n", params.get("n", 1) if isinstance(params, dict) else 1)
-    n = 1 if n is None else n
-    if not _is_int(n) or not 1 <= n <= max_n:
-        raise FieldError(f"n={n!r} on {path} must be an integer between 1 and {max_n} (this server's --max-n)", "n")
+    # Both places a route may read n from are bounded, and the larger counts: the token route reads
+    # sampling_params.n and ignores a top-level n, the others the reverse.
+    sizes = [body.get("n"), params.get("n") if isinstance(params, dict) else None]
+    for size in sizes:
+        if size is not None and (not _is_int(size) or not 1 <= size <= max_n):
+            raise FieldError(
+                f"n={size!r} on {path} must be an integer between 1 and {max_n} (this server's --max-n)", "n"
+            )
+    n = max([1, *(size for size in sizes if size is not None)])
     prompts = body.get("messages") if path.endswith("/batch") else body.get("items")
     groups = len(prompts) if isinstance(prompts, list) and prompts else 1
     members = n * groups

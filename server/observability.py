@@ -46,7 +46,7 @@ def log_request(request_id: str | None, endpoint: str, design: str, n: int, seed
 
 
 class _Undecorated:
-    """stderr as it was before vLLM < 0.32 prefixed every line of the API server's output with
+    """stderr as it was before vLLM < 0.31 prefixed every line of the API server's output with
     ``(APIServer pid=N)`` (``vllm.utils.system_utils.decorate_logs``): each request line stays JSON."""
 
     def write(self, text: str) -> int:

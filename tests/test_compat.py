@@ -135,12 +135,14 @@ def test_before_0_31_a_design_on_a_kept_mrv2_engine_is_refused_at_admission(engi
     from vllm import SamplingParams
 
     hooks.register()
+    monkeypatch.setattr(hooks, "_facts_by_engine", {})  # each half below is an engine started anew
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     designed = SamplingParams(n=2, temperature=1.0, extra_args={"qmc_method": "lattice"})
     with pytest.raises(Exception, match=r"qmc_method.*Model Runner V2"):  # VLLMValidationError
         designed.verify(engine_config.model_config, None, None, None)
     SamplingParams(n=2, temperature=1.0).verify(engine_config.model_config, None, None, None)  # served
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    hooks._facts_by_engine.clear()
     SamplingParams(n=2, temperature=1.0, extra_args={"qmc_method": "lattice"}).verify(
         engine_config.model_config, None, None, None
     )  # the V1 runner: served with its design

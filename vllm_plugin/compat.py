@@ -98,8 +98,9 @@ TOUCHPOINTS: dict[str, Touchpoint] = {
         Touchpoint("params_verify", ("vllm.sampling_params:SamplingParams.verify",),
                    ("self", "model_config", "speculative_config", "structured_outputs_config", "tokenizer"),
                    "admission-time engine facts on vLLM < 0.31 (refusing designs vLLM cannot serve)"),
-        Touchpoint("process_inputs", ("vllm.v1.engine.input_processor:InputProcessor.process_inputs",),
-                   None, "the request id of each prompt at admission"),
+        Touchpoint("prompt_marks", ("vllm.entrypoints.serve.engine.serving:BaseServing._log_inputs",),
+                   ("self", "request_id", "inputs", "params", "lora_request"),
+                   "telling apart the prompts of one multi-prompt request (request_args.install_prompt_marks)"),
         Touchpoint("worker_base", ("vllm.v1.worker.worker_base:WorkerBase",), None,
                    "asking every worker whether it runs the processor (servers, qmc-eval)"),
         Touchpoint("serve_cli_args", ("vllm.entrypoints.common.cli_args:make_arg_parser",
@@ -258,7 +259,10 @@ def _find_in_sources(read: Reader, module: str, qualname: str, depth: int = 0) -
         return None
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
         args = node.args
-        return tuple(a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs])
+        # In inspect.signature's order, so the static check and locate() agree on *args/**kwargs too.
+        star = [args.vararg] if args.vararg else []
+        return tuple(a.arg for a in [*args.posonlyargs, *args.args, *star, *args.kwonlyargs,
+                                     *([args.kwarg] if args.kwarg else [])])  # fmt: skip
     return ()
 
 

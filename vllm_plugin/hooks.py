@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from qmc_sampler.vllm_plugin import compat
-from qmc_sampler.vllm_plugin.request_args import engine_facts, install_prompt_marks
+from qmc_sampler.vllm_plugin.request_args import engine_facts, install_prompt_marks, instance_salt
 
 __all__ = ["register"]
 
@@ -38,6 +38,7 @@ def register() -> None:
     from qmc_sampler.vllm_plugin.logprobs import install
 
     install()
+    instance_salt()  # a malformed QMC_SAMPLER_SALT stops the engine at start, not each request
     _record_engine_facts()
     _keep_model_runner_v2_choice()
     install_prompt_marks()
@@ -97,10 +98,11 @@ def _record_engine_facts_at_verify() -> None:
     def verify(self: Any, model_config: Any, speculative_config: Any, *args: Any, **kwargs: Any) -> Any:
         # One engine's facts (its instance salt among them) for all its requests: built at its first
         # request, as vLLM >= 0.31 builds them once when the engine's input processor starts.
-        facts = _facts_by_engine.get(id(model_config))
-        if facts is None:
+        held, facts = _facts_by_engine.get(id(model_config), (None, None))
+        if held is not model_config:  # the config is held with its facts, so its id is never reused
             runner = "mrv2" if _mrv2_without_processors() else "v1"
-            facts = _facts_by_engine[id(model_config)] = _engine_facts(speculative_config, model_config, runner)
+            facts = _engine_facts(speculative_config, model_config, runner)
+            _facts_by_engine[id(model_config)] = (model_config, facts)
         with engine_facts(facts):
             return original(self, model_config, speculative_config, *args, **kwargs)
 
@@ -123,8 +125,7 @@ def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> An
         why = "runs speculative decoding, which does not run logits processors"
     elif not facts.processors_run:
         why = "runs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which has no logits processors before vLLM 0.31"
-    if why and id(model_config) not in _warned_engines:
-        _warned_engines.add(id(model_config))
+    if why:  # facts are built once per engine (the validator builder; the cache above)
         drop_in = os.environ.get(ENV_METHOD)
         logger.warning(
             "qmc-sampler: this engine %s: the plugin is inactive here%s; requests that ask for a design "
@@ -135,9 +136,8 @@ def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> An
     return facts
 
 
-_warned_engines: set[int] = set()
-#: vLLM < 0.31: each engine's facts, by its model config (one per engine client; engines are few).
-_facts_by_engine: dict[int, Any] = {}
+#: vLLM < 0.31: each engine's (model config, facts), one per engine client built in this process.
+_facts_by_engine: dict[int, tuple[Any, Any]] = {}
 
 
 # ---- Model Runner V2 before vLLM 0.31 --------------------------------------------------------------

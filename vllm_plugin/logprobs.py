@@ -29,6 +29,7 @@ PROCESSED_MODES = ("processed_logprobs", "processed_logits")
 #: The runners whose samplers are wrapped, each on its own: a mismatch in one costs only that one.
 RUNNERS = ("v1", "mrv2")
 _state: dict[str, tuple[bool, str]] = {runner: (False, "install() has not run") for runner in RUNNERS}
+_tried: set[str] = set()
 
 
 @dataclass
@@ -83,8 +84,9 @@ def install() -> None:
     sampler leaves the V1 wrap in place, and the reason for the one not wrapped is logged once.
     """
     for runner, (touchpoints, wrap, sampler_name) in _RUNNER_TARGETS.items():
-        if _state[runner][0]:
+        if _state[runner][0] or runner in _tried:  # a runner that could not be wrapped is said once
             continue
+        _tried.add(runner)
         try:
             for name in touchpoints:
                 compat.locate(name)

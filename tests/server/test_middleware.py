@@ -238,6 +238,15 @@ def test_n_beyond_max_n_is_refused_on_every_route(path):
     assert (status, reached) == (400, False) and "--max-n" in message
 
 
+def test_the_token_routes_sampling_params_n_is_bounded_and_counted_whatever_the_top_level_n_says():
+    from qmc_sampler.server.fields import FieldError, plan_other_route
+
+    with pytest.raises(FieldError, match="--max-n"):
+        plan_other_route("/inference/v1/generate", {"n": 1, "sampling_params": {"n": 1000}}, max_n=8)
+    with pytest.raises(FieldError, match="--max-n"):
+        plan_other_route("/inference/v1/generate", {"n": 1000, "sampling_params": {"n": 1}}, max_n=8)
+
+
 def test_a_callers_group_numbered_by_arrival_is_planned_onto_one_engine_on_every_route():
     from qmc_sampler.server.fields import LEAST_LOADED, plan_other_route, plan_request
 
