@@ -161,7 +161,7 @@ MUTANTS = [
     Mutant(
         "the children of an n > 1 request with qmc_index all take that one member",
         "vllm_plugin/grouping.py",
-        'member = request.index + self._next_arrival(f"{request.group}#{request.tag}")',
+        'member = request.index + self._next_child(f"{request.group}#{request.tag}", request.children)',
         "member = request.index",
         (
             "tests/vllm_plugin/test_grouping.py::"
@@ -260,9 +260,9 @@ MUTANTS = [
     Mutant(
         "the logprobs wrap gated on exact vLLM version strings again",
         "vllm_plugin/logprobs.py",
-        "    targets = [(V1Sampler, _wrap_v1)]\n",
-        "    import vllm\n\n    if vllm.__version__ not in ('0.32.0', '0.33.0'):\n"
-        "        return None, 'unsupported version'\n    targets = [(V1Sampler, _wrap_v1)]\n",
+        "        _tried.add(runner)\n",
+        "        _tried.add(runner)\n        import vllm\n\n        if vllm.__version__ not in ('0.32.0', '0.33.0'):\n"
+        "            _state[runner] = (False, 'unsupported version')\n            continue\n",
         ("tests/vllm_plugin/test_inactive_paths.py::test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice",),
         engine=True,
     ),
