@@ -54,10 +54,17 @@ class GroupingMachine(RuleBasedStateMachine):
         self.next_index = 0  # explicit groups with children: the next free range of indices
         self.step = 0
         self.log = _Records()
-        logging.getLogger("vllm.qmc_sampler").addHandler(self.log)
+        logger = logging.getLogger("vllm.qmc_sampler")
+        # vLLM's logging setup (dictConfig) disables loggers made before it and may raise their level: in a
+        # worker that started an engine earlier, this machine would otherwise see none of the plugin's lines.
+        self._logger_state = (logger.disabled, logger.level)
+        logger.disabled, logger.level = False, logging.DEBUG
+        logger.addHandler(self.log)
 
     def teardown(self) -> None:
-        logging.getLogger("vllm.qmc_sampler").removeHandler(self.log)
+        logger = logging.getLogger("vllm.qmc_sampler")
+        logger.removeHandler(self.log)
+        logger.disabled, logger.level = self._logger_state
 
     def _new_salt(self) -> int:
         # A counter-based stand-in for os.urandom: distinct per engine client, reproducible per run.
