@@ -118,9 +118,11 @@ def test_nothing_is_added_after_an_error_event():
     assert len(events) == 2 and "error" in events[1]
 
 
-def post_through_the_middleware(path: str, headers=(), root_path: str = "", without_key_flag: bool = False):
-    """POST ``path`` through qmc-serve's middleware over a stand-in for vLLM's app, on a server with an API
-    key: (status, whether the request reached vLLM's app)."""
+def through_the_middleware(path: str, body: dict, headers=(), root_path: str = "", without_key_flag: bool = False,
+                           held: int = 0):  # fmt: skip
+    """POST ``body`` to ``path`` through qmc-serve's middleware over a stand-in for vLLM's app, on a server
+    with an API key and a limit of 8 members, ``held`` of them already in flight: (the ASGI messages sent,
+    whether the request reached vLLM's app). Whatever happened, the request's members were given back."""
     from types import SimpleNamespace
 
     from qmc_sampler.server.middleware import QMCServeMiddleware
@@ -136,19 +138,33 @@ def post_through_the_middleware(path: str, headers=(), root_path: str = "", with
                            max_body_bytes=1 << 16, sampler="lattice", max_n=8,
                            invocations_without_key=without_key_flag)  # fmt: skip
     app = SimpleNamespace(state=SimpleNamespace(args=args, engine_client=None))
-    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
     scope = {"type": "http", "method": "POST", "path": root_path.rstrip("/") + path, "root_path": root_path,
              "app": app, "headers": [(b"content-type", b"application/json"), *headers]}  # fmt: skip
     sent = []
 
     async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
 
     async def send(message):
         sent.append(message)
 
-    asyncio.run(QMCServeMiddleware(vllm_app)(scope, receive, send))
-    return sent[0]["status"], bool(reached)
+    async def run():
+        middleware = QMCServeMiddleware(vllm_app)
+        limiter = middleware._server(scope).limiter
+        if held:
+            await limiter.acquire(held)
+        await middleware(scope, receive, send)
+        return limiter.in_flight
+
+    assert asyncio.run(run()) == held
+    return sent, bool(reached)
+
+
+def post_through_the_middleware(path: str, headers=(), root_path: str = "", without_key_flag: bool = False):
+    """A one-token completion through :func:`through_the_middleware`: (status, whether vLLM's app was reached)."""
+    sent, reached = through_the_middleware(path, {"model": "tiny", "prompt": "hi", "max_tokens": 1}, headers,
+                                           root_path, without_key_flag)  # fmt: skip
+    return sent[0]["status"], reached
 
 
 KEY = [(b"authorization", b"Bearer k3y")]
@@ -170,45 +186,11 @@ def test_invocations_alone_are_open_when_the_server_opts_out():
 
 
 def post_body(path: str, body: dict, held: int = 0):
-    """POST ``body`` to ``path`` through the middleware (key given, limit 8 members, ``held`` of them
-    already in flight): (status, error message or None, whether vLLM's stand-in app was reached)."""
-    from types import SimpleNamespace
-
-    from qmc_sampler.server.middleware import QMCServeMiddleware
-
-    reached = []
-
-    async def vllm_app(scope, receive, send):
-        reached.append(scope["path"])
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
-
-    args = SimpleNamespace(api_key=["k3y"], api_server_count=1, max_members_in_flight=8, queue_timeout=0.0,
-                           max_body_bytes=1 << 16, sampler="lattice", max_n=8,
-                           invocations_without_key=False)  # fmt: skip
-    app = SimpleNamespace(state=SimpleNamespace(args=args, engine_client=None))
-    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "app": app,
-             "headers": [(b"content-type", b"application/json"), *KEY]}  # fmt: skip
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    async def run():
-        middleware = QMCServeMiddleware(vllm_app)
-        limiter = middleware._server(scope).limiter
-        if held:
-            await limiter.acquire(held)
-        await middleware(scope, receive, send)
-        return limiter.in_flight
-
-    left = asyncio.run(run())
-    assert left == held  # whatever happened, the request's members were given back
+    """POST ``body`` to ``path`` with the key (:func:`through_the_middleware`): (status, error message or
+    None, whether vLLM's stand-in app was reached)."""
+    sent, reached = through_the_middleware(path, body, KEY, held=held)
     error = json.loads(sent[-1]["body"]).get("error") if sent[0]["status"] != 200 else None
-    return sent[0]["status"], error and error["message"], bool(reached)
+    return sent[0]["status"], error and error["message"], reached
 
 
 CONVERSATION = [{"role": "user", "content": "hi"}]
