@@ -94,11 +94,7 @@ def engine_config(tiny_model_dir):
 
 
 def _mrv2_runs_processors() -> bool:
-    try:
-        compat.locate("mrv2_processor")
-    except compat.TouchpointError:
-        return False
-    return True
+    return compat.present("mrv2_processor")
 
 
 def test_where_mrv2_runs_processors_installing_the_package_changes_no_runner(engine_config):

@@ -29,6 +29,7 @@ __all__ = [
     "locate",
     "locate_with_owner",
     "main",
+    "present",
 ]
 
 
@@ -148,6 +149,15 @@ def locate(name: str) -> Any:
             ones relied on; the message says which and what is lost.
     """
     return locate_with_owner(name)[1]
+
+
+def present(name: str) -> bool:
+    """Whether touch point ``name`` is in the running vLLM as the table expects it (:func:`locate` succeeds)."""
+    try:
+        locate(name)
+    except TouchpointError:
+        return False
+    return True
 
 
 def locate_with_owner(name: str) -> tuple[Any, Any]:

@@ -156,19 +156,12 @@ def _mrv2_without_processors() -> bool:
     """True on a vLLM whose MRV2 runs no logits processors, where the user asked for MRV2."""
     from vllm import envs
 
-    try:
-        compat.locate("mrv2_processor")
-    except compat.TouchpointError:
-        return envs.VLLM_USE_V2_MODEL_RUNNER is True
-    return False
+    return not compat.present("mrv2_processor") and envs.VLLM_USE_V2_MODEL_RUNNER is True
 
 
 def _keep_model_runner_v2_choice() -> None:
-    try:
-        compat.locate("mrv2_processor")
+    if compat.present("mrv2_processor"):
         return  # vLLM >= 0.31: MRV2 runs logits processors, the entry point changes nothing
-    except compat.TouchpointError:
-        pass
     try:
         owner, original = compat.locate_with_owner("mrv2_unsupported")
     except compat.TouchpointError:

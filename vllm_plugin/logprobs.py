@@ -112,11 +112,7 @@ def _prerequisite_absent(runner: str) -> bool:
     nothing to correct, and :mod:`.hooks` says at engine start what that means for designs."""
     if runner != "mrv2":
         return False
-    try:
-        compat.locate("mrv2_processor")
-    except compat.TouchpointError:
-        return True
-    return False
+    return not compat.present("mrv2_processor")
 
 
 def _captures(processors: Any) -> list[Capture]:
