@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,22 +279,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_http(url: str, process, timeout: float = 180.0) -> None:
-    """Poll ``url`` until it answers 200, the process dies, or ``timeout`` passes."""
+def wait_for_http(url: str, process, timeout: float = 180.0, log: Path | None = None) -> None:
+    """Poll ``url`` until it answers 200, the process dies, or ``timeout`` passes; the failure
+    quotes the last lines of the process's ``log`` file when given."""
     import time
     import urllib.request
+
+    def tail() -> str:
+        if log is None or not log.is_file():
+            return ""
+        return "; its log ends:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before answering {url}")
+            raise RuntimeError(f"server exited with {process.returncode} before answering {url}{tail()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout} s")
+    raise TimeoutError(f"{url} did not answer within {timeout} s{tail()}")
 
 
 @pytest.fixture(scope="session")
@@ -345,7 +352,7 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{url}/health", process)
+        wait_for_http(f"{url}/health", process, log=Path(log_path))
         yield process, url
     finally:
         if process.poll() is None:

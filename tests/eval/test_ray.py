@@ -322,7 +322,7 @@ def test_ray_serve_llm_with_the_drop_in_serves_balanced_groups_on_cpu(
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{url}/v1/models", server, timeout=600)
+        wait_for_http(f"{url}/v1/models", server, timeout=600, log=tmp_path / "serve.log")
         body = {"model": "model", "prompt": "the quick brown", "n": 32, "max_tokens": 1, "temperature": 1.0}
         choices = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()["choices"]
         texts = [c["text"] for c in choices]

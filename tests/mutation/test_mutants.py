@@ -263,7 +263,9 @@ MUTANTS = [
         "        _tried.add(runner)\n",
         "        _tried.add(runner)\n        import vllm\n\n        if vllm.__version__ not in ('0.32.0', '0.33.0'):\n"
         "            _state[runner] = (False, 'unsupported version')\n            continue\n",
-        ("tests/vllm_plugin/test_inactive_paths.py::test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice",),
+        (
+            "tests/vllm_plugin/test_inactive_paths.py::test_an_unknown_version_string_installs_and_nothing_is_wrapped_twice",
+        ),
         engine=True,
     ),
     Mutant(

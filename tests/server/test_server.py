@@ -194,8 +194,11 @@ def _vllm_release() -> tuple[int, ...]:
     return tuple(int(part) for part in vllm.__version__.split("+")[0].split(".")[:2])
 
 
-@pytest.mark.skipif(_vllm_release() < (0, 32), reason="vLLM < 0.32 advances a stream's text_offset by each chunk's "
-                    "delta text, not by the tokens it reports (vLLM's own serving code; changed in 0.32)")
+@pytest.mark.skipif(
+    _vllm_release() < (0, 32),
+    reason="vLLM < 0.32 advances a stream's text_offset by each chunk's "
+    "delta text, not by the tokens it reports (vLLM's own serving code; changed in 0.32)",
+)
 def test_streamed_text_offsets_keep_counting_across_chunks(client):
     stream = client.completions.create(model="tiny", prompt=PROMPT, n=1, max_tokens=8, logprobs=1, stream=True,
                                        extra_body={"min_tokens": 8})  # fmt: skip

@@ -15,11 +15,11 @@ drawn here; explicit members with ``n > 1`` children are (their children are num
 """
 
 import itertools
-import logging
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from qmc_sampler.vllm_plugin import grouping
 from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
 from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
 
@@ -29,13 +29,18 @@ TTL = 10.0
 ENGINES = (("A", 0), ("A", 1), ("B", 0))  # (replica, data-parallel rank): A has two engines
 
 
-class _Records(logging.Handler):
+class _Said:
+    """Stands in for the grouping module's logger while a machine runs: what the plugin says is
+    recorded at the source, whatever the process's logging setup (levels, ``logging.disable``,
+    vLLM's dictConfig) did to the real logger earlier in the same test worker."""
+
     def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
         self.messages: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+    def warning(self, message: str, *args: object) -> None:
+        self.messages.append(message % args if args else message)
+
+    info = debug = error = warning
 
 
 class GroupingMachine(RuleBasedStateMachine):
@@ -53,18 +58,12 @@ class GroupingMachine(RuleBasedStateMachine):
         self.closed: list[tuple[tuple, tuple, int]] = []  # (engine, auto key, step)
         self.next_index = 0  # explicit groups with children: the next free range of indices
         self.step = 0
-        self.log = _Records()
-        logger = logging.getLogger("vllm.qmc_sampler")
-        # vLLM's logging setup (dictConfig) disables loggers made before it and may raise their level: in a
-        # worker that started an engine earlier, this machine would otherwise see none of the plugin's lines.
-        self._logger_state = (logger.disabled, logger.level)
-        logger.disabled, logger.level = False, logging.DEBUG
-        logger.addHandler(self.log)
+        self.log = _Said()
+        self._logger = grouping.logger
+        grouping.logger = self.log
 
     def teardown(self) -> None:
-        logger = logging.getLogger("vllm.qmc_sampler")
-        logger.removeHandler(self.log)
-        logger.disabled, logger.level = self._logger_state
+        grouping.logger = self._logger
 
     def _new_salt(self) -> int:
         # A counter-based stand-in for os.urandom: distinct per engine client, reproducible per run.
