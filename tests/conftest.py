@@ -29,14 +29,13 @@ REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai", "ray")
 COSTLIEST_FIRST = (
     "benchmarks/test_quick_forms.py",  # [200] each quick form starts its own servers
     "mutation/test_mutants.py",  # [200] a pytest per mutant, some with an engine
-    "eval/test_endpoints.py",  # [190] two replicas, a third for the SIGTERM test
+    "eval/test_endpoints.py",  # [190] two replicas, a third for the SIGTERM test; the until-correct recipe
     "eval/test_ray.py",  # [~200] one Ray cluster, two vLLM replicas, the recipes, a kill test
     "test_docs.py",  # [~100] a fresh Python per Python block of README.md and docs/, two with a vLLM engine
     "vllm_plugin/test_vllm_openai_server.py",  # [90] two servers
     "server/test_server.py",  # [60]
     "server/test_data_parallel.py",  # [60]
     "eval/test_runner.py",
-    "eval/test_until_endpoint.py",  # [115] a vLLM server for the rounds over HTTP
     "vllm_plugin/test_inactive_paths.py",
     "server/test_production.py",
     "integrations/test_trl.py",
@@ -326,8 +325,9 @@ def engine_core_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_server(command: list[str], log_path, env: dict[str, str] | None = None):
-    """Start ``command --port PORT`` on loopback, wait for ``/health``; yield ``(process, base_url)``.
+def running_server(command: list[str], log_path, env: dict[str, str] | None = None, timeout: float = 300):
+    """Start ``command --port PORT`` on loopback, wait up to ``timeout`` s for ``/health``; yield
+    ``(process, base_url)``.
 
     ``env`` (default: this process's) runs the model in the engine-core process unless it sets
     ``VLLM_ENABLE_V1_MULTIPROCESSING``. Its output goes to ``log_path``; on exit the process is
@@ -352,7 +352,7 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{url}/health", process, log=Path(log_path))
+        wait_for_http(f"{url}/health", process, timeout=timeout, log=Path(log_path))
         yield process, url
     finally:
         if process.poll() is None:
@@ -451,27 +451,38 @@ def lm_eval_repeats():
     return LmEval()
 
 
-def run_python(source: str, timeout: float = 300) -> dict:
-    """Run ``source`` in a fresh Python process with vLLM's engine in that process; return the JSON
-    object it prints last (for process-wide state such as patches and environment)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import textwrap
+@pytest.fixture(scope="session")
+def warm_python():
+    """One :class:`warm_python.WarmPython` per test worker: a fresh interpreter per run, with
+    torch, transformers and vLLM already imported (``tests/warm_python.py``)."""
+    import importlib.util
 
-    env = os.environ | dict([ENGINE_CORE_RUNS_THE_MODEL]) | {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-P", "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    server = module.WarmPython()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")
-def run_script():
-    """:func:`run_python` as a fixture."""
-    return run_python
+def run_script(warm_python):
+    """``run_script(source, timeout=300) -> dict``: run ``source`` in a fresh Python (a fork of
+    the warm one) with vLLM's engine in that process; the JSON object it prints last (for
+    process-wide state such as patches and environment)."""
+    import json
+    import os
+    import textwrap
+
+    def run(source: str, timeout: float = 300) -> dict:
+        env = os.environ | dict([ENGINE_CORE_RUNS_THE_MODEL]) | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        done = warm_python.run(["-c", textwrap.dedent(source)], env=env, cwd=os.getcwd(), timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 class HostReads:

@@ -10,7 +10,6 @@ by some test).
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -84,14 +83,13 @@ def test_commands_of_blocks_not_run_name_scripts_flags_and_targets_that_exist():
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.where for b in RUNNABLE])
-def test_the_python_block_runs(block, tiny_model_dir, engine_core_env, tmp_path):
+def test_the_python_block_runs(block, tiny_model_dir, engine_core_env, tmp_path, warm_python):
     source = docs_blocks.substitute(block, {"path/to/model": tiny_model_dir} if "path/to/model" in block.text else {})
     script = tmp_path / f"{block.page.stem}_line_{block.line}.py"  # tracebacks name the page and the block's line
     script.write_text(source)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"},
-    )  # fmt: skip
+    # As `python SCRIPT` in a fresh interpreter (a fork of the warm one: torch and vLLM imported).
+    done = warm_python.run([str(script)], env=engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"}, cwd=tmp_path,
+                           timeout=600)  # fmt: skip
     assert done.returncode == 0, f"{block.where} failed:\n{done.stderr[-3000:]}"
 
 

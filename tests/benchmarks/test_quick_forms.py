@@ -1,9 +1,10 @@
 """Every benchmark's quick form runs on this CPU (a crash, e.g. SIGILL from a kernel library
 built for another CPU, is a red test). The engine benchmarks run on the tiny test model: the
-point is that each one runs here, not its figures."""
+point is that each one runs here, not its figures. Each runs as ``python SCRIPT`` in a fresh
+interpreter: a fork of the warm one (``tests/warm_python.py``), torch and vLLM already imported."""
 
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,9 @@ pytestmark = pytest.mark.vllm
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "sampler_bench.py"), "--quick", "--repeats", "1"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def test_the_sampler_benchmark_quick_form_runs_on_this_cpu(warm_python):
+    done = warm_python.run([str(BENCHMARKS / "sampler_bench.py"), "--quick", "--repeats", "1"], env=dict(os.environ),
+                           cwd=BENCHMARKS.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith("32 ")]
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
@@ -27,55 +26,51 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_the_sampler_benchmark_on_cuda_refuses_a_machine_without_one():
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "sampler_bench.py"), "--device", "cuda"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_the_sampler_benchmark_on_cuda_refuses_a_machine_without_one(warm_python):
+    done = warm_python.run([str(BENCHMARKS / "sampler_bench.py"), "--device", "cuda"], env=dict(os.environ),
+                           cwd=BENCHMARKS.parent, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "--device cuda: this machine has no CUDA device" in done.stderr, done.stderr
 
 
-def quick(script: str, model_dir: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def quick(warm_python, script: str, model_dir: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     # env: conftest's engine_core_env. No process of its own for the model: a vllm.LLM's engine
     # core runs in the script (it starts in ~3 s, not ~17 s), a server's model in its engine core.
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--model", model_dir],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
+    done = warm_python.run([str(BENCHMARKS / script), "--quick", "--model", model_dir], env=env,
+                           cwd=BENCHMARKS.parent, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
 
-def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir, engine_core_env):
-    done = quick("rollout_diversity.py", tiny_model_dir, engine_core_env)
+def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir, engine_core_env, warm_python):
+    done = quick(warm_python, "rollout_diversity.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     for path in ("vllm (", "hf ("):
         assert path in done.stdout, done.stdout
     assert done.stdout.count("(lattice / i.i.d.)") == 2
 
 
-def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir, engine_core_env):
-    done = quick("reproducibility.py", tiny_model_dir, engine_core_env)
+def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir, engine_core_env, warm_python):
+    done = quick(warm_python, "reproducibility.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["iid"], ["lattice"])]
     assert len(rows) == 2 and all(0.0 <= float(r[1]) <= 1.0 for r in rows), done.stdout
 
 
-def test_the_end_to_end_overhead_quick_form_runs(tiny_model_dir, engine_core_env):
-    done = quick("e2e_overhead.py", tiny_model_dir, engine_core_env)
+def test_the_end_to_end_overhead_quick_form_runs(tiny_model_dir, engine_core_env, warm_python):
+    done = quick(warm_python, "e2e_overhead.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout and "throughput ratio lattice/plain = " in done.stdout, done.stdout
 
 
-def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_core_env):
-    done = quick("server_load.py", tiny_model_dir, engine_core_env)
+def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_core_env, warm_python):
+    done = quick(warm_python, "server_load.py", tiny_model_dir, engine_core_env)
     assert "\nCPU: " in "\n" + done.stdout and "qmc-serve / vLLM's server = " in done.stdout, done.stdout
     assert "burst: only the expected 429s" in done.stdout
 
 
-def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env):
+def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env, warm_python):
     pytest.importorskip("ray.data.llm", reason="ray extra not installed")
     # The --endpoint fleet and the Ray backend, 1 and 2 replicas each, side by side.
-    done = quick("fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    done = quick(warm_python, "fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
     table = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["--endpoint"], ["--ray"])]
     assert [(row[0], row[1]) for row in table] == [("--endpoint", "1"), ("--endpoint", "2"), ("--ray", "1"),
@@ -83,10 +78,9 @@ def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_c
     assert "ratio 2 / 1 replicas, --ray: " in done.stdout and "ratio 2 / 1 replicas, --endpoint: " in done.stdout
 
 
-def test_the_parked_members_benchmark_quick_form_runs_side_by_side():
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "parked_members.py"), "--quick"], capture_output=True, text=True, timeout=600
-    )  # fmt: skip
+def test_the_parked_members_benchmark_quick_form_runs_side_by_side(warm_python):
+    done = warm_python.run([str(BENCHMARKS / "parked_members.py"), "--quick"], env=dict(os.environ),
+                           cwd=BENCHMARKS.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "\nCPU: " in "\n" + done.stdout and "parked / with none: hot " in done.stdout, done.stdout
     rows = {r[0]: r for r in (line.split() for line in done.stdout.splitlines()) if r and r[-1].endswith("x")}

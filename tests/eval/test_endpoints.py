@@ -6,7 +6,8 @@ middleware, which must pass explicit members through). Because every member is s
 member of its group, a run over A and B, a run over A alone and a run in-process
 give the same samples when each member is computed alone (one in flight: a pinned
 batch); and killing a replica mid-run must still complete the run on the other,
-every group written exactly once and whole.
+every group written exactly once and whole. ``qmc-eval run --until-correct`` runs its docs
+recipe on A as it does in-process.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 pytest.importorskip("reasoning_gym", reason="eval extra not installed")
+from qmc_sampler.eval.cli import main as cli_main
 from qmc_sampler.eval.runner import RunConfig, run
 from qmc_sampler.eval.samples import read_samples
 
@@ -48,15 +50,20 @@ def fleet(tiny_model_dir, serve, tmp_path_factory):
         yield {"a": a, "b": b}
 
 
-def qmc_eval(*args, key=KEY, timeout=600):
-    env = os.environ | {"QMC_EVAL_API_KEY": key} if key else os.environ
-    return subprocess.run(
-        [sys.executable, "-m", "qmc_sampler.eval", "run", "--quiet", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+@pytest.fixture
+def qmc_eval(warm_python):
+    """``qmc_eval(*args, key=KEY, timeout=600, cold=False)``: ``python -m qmc_sampler.eval run --quiet
+    ARGS`` in a fresh interpreter, the API key in its environment: a fork of the warm one, or with
+    ``cold`` a new process as a user's (what a bad option prints is all a user would see)."""
+
+    def run_cli(*args, key=KEY, timeout=600, cold=False):
+        env = os.environ | {"QMC_EVAL_API_KEY": key} if key else dict(os.environ)
+        argv = ["-m", "qmc_sampler.eval", "run", "--quiet", *args]
+        if cold:
+            return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+        return warm_python.run(argv, env=env, cwd=os.getcwd(), timeout=timeout)
+
+    return run_cli
 
 
 def samples(out: Path) -> set[tuple]:
@@ -72,7 +79,7 @@ def recipe(command, env=None) -> list[str]:
 
 
 def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
-    fleet, llm_factory, tiny_model_dir, tmp_path, docs
+    fleet, qmc_eval, llm_factory, tiny_model_dir, tmp_path, docs
 ):
     # One member in flight at a time everywhere: each member is computed in a batch of one, so the
     # texts are comparable bit for bit (in mixed batches some CPUs give a row other logits).
@@ -100,7 +107,7 @@ def test_a_group_over_two_replicas_equals_one_replica_and_the_in_process_engine(
     assert len(samples(local)) == 2 * 3 * 4 and len({s[-1] for s in samples(local)}) > 4
 
 
-def test_the_docs_jsonl_recipe_runs_on_a_served_model(fleet, docs, tmp_path):
+def test_the_docs_jsonl_recipe_runs_on_a_served_model(fleet, qmc_eval, docs, tmp_path):
     (_, url_a) = fleet["a"]
     task, command = docs.commands("qmc-eval-jsonl", {"my.jsonl": str(tmp_path / "my.jsonl"),
                                                      "runs/mine": str(tmp_path / "mine")})  # fmt: skip
@@ -111,7 +118,7 @@ def test_the_docs_jsonl_recipe_runs_on_a_served_model(fleet, docs, tmp_path):
     assert len(records) == 2 * 2 * 4 and {r["problem"] for r in records} == {"q1", "q2"}
 
 
-def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, tmp_path):
+def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, qmc_eval, http_helpers, tmp_path):
     free_port, _ = http_helpers
     (_, url_a), (_, url_b) = fleet["a"], fleet["b"]
     cases = [
@@ -121,10 +128,50 @@ def test_the_bad_input_matrix_is_one_line_and_exit_code_2(fleet, http_helpers, t
         (["--endpoint", url_a], "wrong-key", "refused the API key (HTTP 401)"),
     ]
     for extra, key, message in cases:
-        done = qmc_eval(*SETTINGS, *extra, "--out", str(tmp_path / "bad"), key=key)
+        done = qmc_eval(*SETTINGS, *extra, "--out", str(tmp_path / "bad"), key=key, cold=True)
         assert done.returncode == 2, (extra, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("qmc-eval: error:") and message in lines[0], (extra, lines)
+
+
+UNTIL_SMALLER = ["--n", "8", "--round-size", "2", "--problems", "3", "--max-tokens", "6", "--temperature", "1.5"]
+
+
+def until_members(out):
+    return {(r["sampler"], r["problem"], r["round"], r["member"], r["text"], r["score"])
+            for r in read_samples(out / "samples.jsonl")}  # fmt: skip
+
+
+def test_the_docs_until_recipe_runs_on_a_served_model_as_in_process(
+    fleet, docs, llm_factory, tiny_model_dir, tmp_path, warm_python
+):
+    # `qmc-eval run --until-correct` over HTTP: rounds are explicit members, served like any other.
+    # With one member in flight everywhere both runs give the same members, rounds and stopping
+    # points, and `qmc-eval score` reads the folder.
+    (_, url_a) = fleet["a"]
+    (command,) = docs.commands("qmc-eval-until", {"runs/until": str(tmp_path / "served")})
+    assert command.argv[1:4] == ["-m", "qmc_sampler.eval", "run"], command.argv
+    done = warm_python.run(
+        [*command.argv[1:], *UNTIL_SMALLER, "--endpoint", url_a, "--concurrency", "1", "--quiet"],
+        env=os.environ | {"QMC_EVAL_API_KEY": KEY}, cwd=os.getcwd(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "samples to 1 correct (cap 8, rounds of 2)" in done.stdout and "lattice / iid" in done.stdout
+    llm = llm_factory(tiny_model_dir, max_model_len=512)
+    try:
+        config = RunConfig(
+            task="basic_arithmetic", samplers=("iid", "lattice"), n=8, groups=1, problems=3,
+            out=str(tmp_path / "local"), max_tokens=6, temperature=1.5, max_members_in_flight=1,
+            until_correct=1, round_size=2,
+        )  # fmt: skip
+        local = run(config, engine=llm, progress=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    served = until_members(tmp_path / "served")
+    assert served == until_members(local)
+    # Groups grew past their first round (the tiny random model rarely answers), in rounds of 2.
+    assert {m[2] for m in served} >= {0, 1} and all(m[3] // 2 == m[2] for m in served)
+    assert cli_main(["score", str(tmp_path / "served"), "--json", "--resamples", "200"]) == 0
 
 
 # Long enough to lose a replica in the middle (it is lost once 3 of the 16 groups are written):
@@ -135,7 +182,7 @@ MID_RUN = ["--task", "basic_arithmetic", "--samplers", "iid,lattice", "--n", "8"
 
 
 @contextlib.contextmanager
-def run_under_way(settings, endpoints, out):
+def run_under_way(qmc_eval, settings, endpoints, out):
     """``qmc-eval run`` over ``endpoints`` in a thread; the body runs once some groups are written.
 
     Yields a dict that holds the finished run's ``result`` after the block.
@@ -169,11 +216,11 @@ def assert_every_group_once_and_complete(out):
     assert {r["finish_reason"] for r in records} <= {"stop", "length"}  # no truncated text recorded as a sample
 
 
-def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
+def test_killing_a_replica_mid_run_completes_on_the_other(fleet, qmc_eval, tmp_path):
     (process_a, url_a), (_, url_b) = fleet["a"], fleet["b"]
     out = tmp_path / "killed"
     settings = [*MID_RUN, "--concurrency", "4"]
-    with run_under_way(settings, [url_a, url_b], out) as done:
+    with run_under_way(qmc_eval, settings, [url_a, url_b], out) as done:
         os.killpg(process_a.pid, signal.SIGKILL)  # the server and its engine processes, at once
     result = done["result"]
     assert result.returncode == 0, result.stderr[-2000:]
@@ -183,7 +230,7 @@ def test_killing_a_replica_mid_run_completes_on_the_other(fleet, tmp_path):
     assert json.loads((out / "run.json").read_text())["model"] == "tiny"
 
 
-def test_a_replica_shut_down_mid_run_has_its_cut_off_members_retried(fleet, serve, tiny_model_dir, tmp_path):
+def test_a_replica_shut_down_mid_run_has_its_cut_off_members_retried(fleet, qmc_eval, serve, tiny_model_dir, tmp_path):
     # qmc-serve answers the members it aborts on SIGTERM with finish_reason "abort" and their text so
     # far: those are not samples, and must be generated again on the other replica.
     (_, url_b) = fleet["b"]
@@ -194,7 +241,7 @@ def test_a_replica_shut_down_mid_run_has_its_cut_off_members_retried(fleet, serv
                "--shutdown-timeout", "0"]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SERVE_API_KEY": KEY}
     with serve(command, tmp_path / "c.log", env) as (process_c, url_c):
-        with run_under_way(settings, [url_b, url_c], out) as done:
+        with run_under_way(qmc_eval, settings, [url_b, url_c], out) as done:
             process_c.send_signal(signal.SIGTERM)
             assert process_c.wait(timeout=60) == 0
     result = done["result"]

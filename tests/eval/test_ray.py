@@ -108,14 +108,14 @@ def unbalanced(first_tokens: list[int], q: np.ndarray) -> dict[int, tuple[int, f
     }
 
 
-def qmc_eval(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "qmc_sampler.eval", "run", "--quiet", *args],
-        capture_output=True,
-        text=True,
-        env=os.environ | ENGINE_ENV | (env or {}),
-        timeout=timeout,
-    )
+def qmc_eval(*args: str, timeout: float = 900, env: dict[str, str] | None = None, warm=None):
+    """``python -m qmc_sampler.eval run --quiet ARGS`` in a new process, or in a fork of ``warm``
+    (a :class:`WarmPython`: torch and vLLM imported) where what the run prints besides is not checked."""
+    argv = ["-m", "qmc_sampler.eval", "run", "--quiet", *args]
+    env = os.environ | ENGINE_ENV | (env or {})
+    if warm is not None:
+        return warm.run(argv, env=env, cwd=os.getcwd(), timeout=timeout)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def member_keys(records: list[dict]) -> list[tuple]:
@@ -123,7 +123,7 @@ def member_keys(records: list[dict]) -> list[tuple]:
 
 
 def test_the_cli_on_two_replicas_equals_the_in_process_run_and_resumes_it(
-    ray_cluster, tiny_model_dir, llm_factory, tokenizer, first_token_probs, tmp_path, lm_eval_repeats
+    ray_cluster, tiny_model_dir, llm_factory, tokenizer, first_token_probs, tmp_path, lm_eval_repeats, warm_python
 ):
     # One-token samples: a text is its first token, so every lattice group's balance is checked exactly.
     tasks = tmp_path / "first_token.jsonl"
@@ -146,7 +146,7 @@ def test_the_cli_on_two_replicas_equals_the_in_process_run_and_resumes_it(
     done = qmc_eval(
         "--ray", ray_cluster, "--replicas", "2", "--task", f"jsonl:{tasks}", "--task-option", "verifier=regex",
         "--samplers", "iid,lattice", "--n", "16", "--problems", "3", "--max-tokens", "1", "--model", tiny_model_dir,
-        "--out", str(out),
+        "--out", str(out), warm=warm_python,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "2 vLLM replica(s) on CPU (1 CPU each), float32" in done.stdout
@@ -239,16 +239,16 @@ def test_killing_a_replica_mid_run_loses_no_member_and_writes_none_twice(
 
 
 def test_the_readme_ray_data_recipe_gives_one_group_across_replicas_and_one_per_replica(
-    ray_cluster, tiny_model_dir, tokenizer, first_token_probs
+    ray_cluster, tiny_model_dir, tokenizer, first_token_probs, warm_python
 ):
     # eval/ray_recipe.py is the recipe the README shows, run as it is (on the tiny model's prompts).
     # 32 members of 96 tokens in batches of 4: a batch outlasts the arrival of the next, so the
     # explicit group's batches spread over both replicas.
     prompts = ["the quick brown", "sphinx of black quartz"]
-    done = subprocess.run(
-        [sys.executable, "-m", "qmc_sampler.eval.ray_recipe", tiny_model_dir, "--address", ray_cluster,
+    done = warm_python.run(
+        ["-m", "qmc_sampler.eval.ray_recipe", tiny_model_dir, "--address", ray_cluster,
          "--group-size", "32", "--max-tokens", "96", "--prompts", *prompts],
-        capture_output=True, text=True, timeout=900, env=os.environ | ENGINE_ENV,
+        env=os.environ | ENGINE_ENV, cwd=os.getcwd(), timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"pattern"')]

@@ -1,7 +1,8 @@
 """``qmc-eval run`` on a real vLLM engine (tiny model): samples, member indices, resume, settings guard."""
 
 import json
-import subprocess
+import os
+import sys
 
 import pytest
 
@@ -124,19 +125,20 @@ def test_resuming_with_other_settings_is_refused(llm, tmp_path):
         run(config(tmp_path / "a", problems=1, groups=1, n=8), engine=llm, progress=False)
 
 
-def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env, docs, capsys):
+def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env, docs, capsys, warm_python):
     from qmc_sampler.eval.cli import main as cli_main
 
-    # The README's two commands, on the tiny model and smaller.
+    # The README's two commands, on the tiny model and smaller; the run in a fresh interpreter (a
+    # fork of the warm one: torch and vLLM imported).
     out = tmp_path / "cli"
     run_command, score_command = docs.commands("readme-qmc-eval", {"runs/arith": str(out)})
-    done = subprocess.run(
-        [*run_command.argv, "--n", "4", "--problems", "2", "--model", tiny_model_dir, "--max-tokens", "4", "--quiet"],
-        capture_output=True,
-        text=True,
+    assert run_command.argv[:2] == [sys.executable, "-m"], run_command.argv
+    done = warm_python.run(
+        [*run_command.argv[1:], "--n", "4", "--problems", "2", "--model", tiny_model_dir, "--max-tokens", "4",
+         "--quiet"],
         env=engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"},  # the model in the CLI's process: ~20 s less
-        timeout=600,
-    )
+        cwd=os.getcwd(), timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bound min(1,k·p̂)" in done.stdout
     assert len(read_samples(out / "samples.jsonl")) == 2 * 2 * 4

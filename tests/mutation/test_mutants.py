@@ -2,7 +2,7 @@
 
 Each mutant replaces one snippet of the core (or the estimator) in a *copy* of the
 installed package, and runs the tests named as its killers against that copy in a
-subprocess (``PYTHONPATH`` puts the copy ahead of the editable install). The
+fresh Python (a fork of ``tests/warm_python.py``'s, with the copy ahead of the editable install). The
 mutant counts as killed only if those tests *fail* (pytest exit code 1) — not if
 they error out or select nothing. A mutant whose snippet is no longer found in the
 source fails loudly, so the list is kept in step with the code.
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,7 +205,11 @@ MUTANTS = [
         "vllm_plugin/registry.py",
         "code = ((pool.u[slots] - pool.start[slots]) / pool.prob[slots])",
         "code = ((pool.u[slots] - pool.start[slots]))",
-        ("tests/vllm_plugin/test_engine.py::test_engine_equals_the_reference_loop",),
+        # The unit test first: -x stops there when it fails, before the engine test builds its engine.
+        (
+            "tests/vllm_plugin/test_registry.py::test_model_runner_v2s_tokens_are_taken_on_the_device",
+            "tests/vllm_plugin/test_engine.py::test_engine_equals_the_reference_loop",
+        ),
         engine=True,
     ),
     Mutant(
@@ -226,7 +228,10 @@ MUTANTS = [
         "        self._parked[key] = member\n"
         "        self._parked_by_group.setdefault(member.group_key, {})[key] = member\n",
         "",
-        ("tests/vllm_plugin/test_preemption.py",),
+        (
+            "tests/vllm_plugin/test_registry.py::test_a_parked_member_is_resumed_by_its_token_history",
+            "tests/vllm_plugin/test_preemption.py",
+        ),
         engine=True,
     ),
     Mutant(
@@ -234,7 +239,10 @@ MUTANTS = [
         "vllm_plugin/adapters.py",
         "            if ra is not None:\n                self.rows[b] = ra\n",
         "            if ra is not None:\n                self.rows[a] = ra\n",
-        ("tests/vllm_plugin/test_preemption.py",),
+        (
+            "tests/vllm_plugin/test_adapters.py::test_condensing_moves_a_member_into_the_hole_of_one_that_left",
+            "tests/vllm_plugin/test_preemption.py",
+        ),
         engine=True,
     ),
     Mutant(
@@ -252,6 +260,7 @@ MUTANTS = [
         "        params.seed = None\n",
         "",
         (
+            "tests/vllm_plugin/test_request_args.py::test_the_vllm_seed_becomes_the_group_seed_and_leaves_vllm",
             "tests/vllm_plugin/test_preemption.py::"
             "test_a_vllm_seed_is_kept_from_vllms_cpu_sampler_under_chunked_prefill",
         ),
@@ -288,30 +297,31 @@ def pristine(tmp_path_factory) -> Path:
     return target
 
 
-def run_killers(package: Path, killers: tuple[str, ...], engine: bool = False) -> subprocess.CompletedProcess:
-    # -P: the repository (the working directory) must not come before the copy on sys.path.
+def run_killers(warm_python, package: Path, killers: tuple[str, ...], engine: bool = False):
+    """Run the killers on ``package`` in a fresh Python (a fork of the warm one, which never
+    imported qmc_sampler): ``package`` first on ``sys.path`` and on ``PYTHONPATH`` (for what
+    the killers start), the repository not on it (``-P``)."""
     # The torch backend, so mutants of the Python processing are not bypassed by the C++ kernel.
     env = os.environ | {"PYTHONPATH": str(package), "QMC_SAMPLER_BACKEND": "torch"}
     marks = [] if engine else ["-m", "not vllm"]
     # -n 0: the killers run in this one process (the suite's own pytest-xdist workers are enough).
-    args = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *marks, *killers]
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = ["-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *marks, *killers]
+    return warm_python.run(args, env=env, cwd=ROOT, path_first=(str(package),), timeout=600)
 
 
-def test_the_copy_is_what_the_killers_import(pristine):
-    probe = subprocess.run(
-        [sys.executable, "-P", "-c", "import qmc_sampler.eval.passk as p; print(p.__file__)"],
-        cwd=ROOT,
+def test_the_copy_is_what_the_killers_import(pristine, warm_python):
+    probe = warm_python.run(
+        ["-c", "import qmc_sampler.eval.passk as p; print(p.__file__)"],
         env=os.environ | {"PYTHONPATH": str(pristine)},
-        capture_output=True,
-        text=True,
-        check=True,
+        cwd=ROOT,
+        path_first=(str(pristine),),
     )
+    assert probe.returncode == 0, probe.stderr[-3000:]
     assert probe.stdout.strip().startswith(str(pristine))
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
-def test_the_suite_kills_the_mutant(pristine, tmp_path, mutant):
+def test_the_suite_kills_the_mutant(pristine, warm_python, tmp_path, mutant):
     package = tmp_path / "mutant"
     shutil.copytree(pristine, package)
     relative = Path(mutant.path)
@@ -320,7 +330,7 @@ def test_the_suite_kills_the_mutant(pristine, tmp_path, mutant):
     text = source.read_text()
     assert text.count(mutant.original) == 1, f"{mutant.path} no longer has the line this mutant flips: update it"
     source.write_text(text.replace(mutant.original, mutant.mutated))
-    result = run_killers(package, mutant.killers, mutant.engine)
+    result = run_killers(warm_python, package, mutant.killers, mutant.engine)
     assert result.returncode == 1 and " failed" in result.stdout, (
         f"mutant {mutant.name!r} survived {mutant.killers} (exit {result.returncode}):\n{result.stdout[-3000:]}"
     )

@@ -27,7 +27,8 @@ def url(tiny_model_dir, serve, tmp_path_factory, docs):
     (recipe,) = docs.commands("qmc-serve-dp", {"path/to/model": tiny_model_dir})  # docs/serving.md's: 2 engines
     assert recipe.argv[-2:] == ["--data-parallel-size", "2"]
     command = [*recipe.argv, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-gb", "1"]
-    with serve(command, tmp_path_factory.mktemp("dp") / "server.log") as (_, base):
+    # Four processes import vLLM before it answers (the API server, the coordinator, two engines).
+    with serve(command, tmp_path_factory.mktemp("dp") / "server.log", timeout=600) as (_, base):
         yield base
 
 

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -55,11 +53,11 @@ def test_models_health_and_stats(client, base_url):
     assert stats["members_in_flight"] == 0 and stats["engines"][0]["processors"] == 1
 
 
-def test_every_vllm_serve_option_is_taken(base_url, server_log):
+def test_every_vllm_serve_option_is_taken(base_url, server_log, warm_python):
     # The fixture's server was started with vLLM's --max-num-seqs and --enable-prefix-caching.
     assert "'max_num_seqs': 32" in server_log.read_text() and "'enable_prefix_caching': True" in server_log.read_text()
-    shown = subprocess.run([sys.executable, "-m", "qmc_sampler.server.main", "--help=all"], capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+    shown = warm_python.run(["-m", "qmc_sampler.server.main", "--help=all"], env=dict(os.environ), cwd=os.getcwd(),
+                            timeout=120)  # fmt: skip
     assert shown.returncode == 0, shown.stderr[-2000:]
     for option in ("--tensor-parallel-size", "--gpu-memory-utilization", "--quantization", "--enable-lora",
                    "--sampler", "--max-members-in-flight"):  # fmt: skip
