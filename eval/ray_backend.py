@@ -59,7 +59,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from qmc_sampler.eval.generation import Completion, GroupJob, OnGroup, member_xargs, prompt_token_ids
@@ -68,10 +68,12 @@ __all__ = [
     "DEFAULT_REPLICAS",
     "DEVICES",
     "FORWARDED_VLLM_ENV",
+    "CpuReplica",
     "MemberTable",
     "RayBackend",
     "RayBackendError",
     "ReplicaPlan",
+    "cpu_replica",
     "finish_reason",
     "plan_replicas",
     "replica_env",
@@ -209,6 +211,30 @@ def replica_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         elif key.startswith(("QMC_", "VLLM_")):
             kept.append(key)
     return env, sorted(kept)
+
+
+class CpuReplica(NamedTuple):
+    """A vLLM replica's settings on CPUs without a GPU, as Ray's LLM configs take them (:func:`cpu_replica`)."""
+
+    placement_group_config: dict[str, Any]
+    env_vars: dict[str, str]
+    engine_kwargs: dict[str, Any]
+
+
+def cpu_replica(cpus: int) -> CpuReplica:
+    """What a vLLM replica on ``cpus`` CPUs and no GPU needs from Ray: a placement bundle of the CPUs,
+    as many OpenMP threads, unbound (engines on one machine would otherwise bind their threads to the
+    same cores), and eager mode.
+
+    The docs' recipes (``eval/ray_recipe.py``, ``eval/ray_serve_recipe.py``) write these settings out
+    for one CPU, so that each reads, and is copied, whole; ``tests/eval/test_ray_plan.py`` checks that
+    they agree with this.
+    """
+    return CpuReplica(
+        placement_group_config={"bundles": [{"CPU": cpus}]},
+        env_vars={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cpus)},
+        engine_kwargs={"enforce_eager": True},
+    )
 
 
 def rows_per_engine(request_ids: Iterable[int]) -> list[int]:
@@ -538,12 +564,12 @@ class RayBackend:
         engine: dict[str, Any] = {"seed": 0, "dtype": self._dtype_why[0]}
         placement: dict[str, Any] = {}
         if self.plan.device == "cpu":
-            cpus = self.plan.cpus_per_replica
-            env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cpus)}
+            replica = cpu_replica(self.plan.cpus_per_replica)
+            env |= replica.env_vars
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # one core each: none to spare for a scheduler
-            engine |= {"enforce_eager": True, "block_size": CPU_BLOCK_SIZE}
-            placement = {"placement_group_config": {"bundles": [{"CPU": cpus}]}}
+            engine |= replica.engine_kwargs | {"block_size": CPU_BLOCK_SIZE}
+            placement = {"placement_group_config": replica.placement_group_config}
         return vLLMEngineProcessorConfig(
             model_source=self.model,
             engine_kwargs=engine,

@@ -20,7 +20,7 @@ from typing import Any
 from qmc_sampler.vllm_plugin.request_args import ENV_AUTO_GROUP, check_extra_args
 
 from qmc_sampler.designs import METHODS, get_design
-from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int
+from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int, is_int
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_other_route", "plan_request"]
@@ -82,7 +82,7 @@ def plan_request(body: dict[str, Any], *, chat: bool, default_sampler: str, max_
     if n > max_n:
         raise FieldError(f"n={n} must be between 1 and {max_n} (this server's --max-n)", "n")
     best_of = body.get("best_of")
-    per_prompt = max(n, best_of) if _is_int(best_of) else n
+    per_prompt = max(n, best_of) if is_int(best_of) else n
     groups = 1 if chat else _prompt_count(body.get("prompt"))
     members = per_prompt * groups
     xargs = body.get("vllm_xargs")
@@ -197,7 +197,7 @@ def plan_other_route(path: str, body: dict[str, Any], *, max_n: int) -> Plan:
     # sampling_params.n and ignores a top-level n, the others the reverse.
     sizes = [body.get("n"), params.get("n") if isinstance(params, dict) else None]
     for size in sizes:
-        if size is not None and (not _is_int(size) or not 1 <= size <= max_n):
+        if size is not None and (not is_int(size) or not 1 <= size <= max_n):
             raise FieldError(
                 f"n={size!r} on {path} must be an integer between 1 and {max_n} (this server's --max-n)", "n"
             )
@@ -229,10 +229,6 @@ def _key(value: Any) -> str:
     return hashlib.blake2b(json.dumps(value, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> Any:
     value = body.get(name)
     if value is None:
@@ -242,7 +238,7 @@ def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: i
             return check_int(name, value, low, high)
         except ValueError as e:
             raise FieldError(str(e), name) from None
-    if not _is_int(value) or value < low:
+    if not is_int(value) or value < low:
         raise FieldError(f"{name}={value!r} must be an integer >= {low}", name)
     return value
 

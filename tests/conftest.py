@@ -147,6 +147,54 @@ def processed_reference():
     return reference_processed_probs
 
 
+def pooled_chi_square_p(observed, expected) -> float:
+    """Pearson's chi-square p-value of the counts ``observed`` against the counts ``expected`` (the
+    same cells, in the same order). The cells expected fewer than 5 times are pooled into one, as
+    the chi-square approximation requires; a cell expected 0 times is left out; the expected counts
+    are scaled to the observed total."""
+    from scipy import stats
+
+    observed, expected = np.asarray(observed, dtype=float), np.asarray(expected, dtype=float)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+def chi_square_p(tokens, q: np.ndarray) -> float:
+    """:func:`pooled_chi_square_p` of the token ids ``tokens`` (independent draws) against the
+    distribution ``q`` over the ids."""
+    tokens = np.asarray(tokens)
+    return pooled_chi_square_p(np.bincount(tokens, minlength=len(q)), q * len(tokens))
+
+
+def balanced(tokens, q: np.ndarray) -> bool:
+    """Whether the token ids ``tokens`` (one group of m = ``len(tokens)``) hold every id ⌊m·q⌋ or
+    ⌈m·q⌉ times, as one balanced lattice group of the distribution ``q`` does."""
+    counts = np.bincount(tokens, minlength=len(q))
+    m = len(tokens)
+    return bool(np.all((counts == np.floor(m * q)) | (counts == np.ceil(m * q))))
+
+
+@pytest.fixture(scope="session", name="balanced")
+def balanced_fixture():
+    """:func:`balanced` as a fixture."""
+    return balanced
+
+
+@pytest.fixture(scope="session", name="chi_square_p")
+def chi_square_p_fixture():
+    """:func:`chi_square_p` as a fixture."""
+    return chi_square_p
+
+
+@pytest.fixture(scope="session", name="pooled_chi_square_p")
+def pooled_chi_square_p_fixture():
+    """:func:`pooled_chi_square_p` as a fixture."""
+    return pooled_chi_square_p
+
+
 def cut_rows(case: str, batch: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
     """Rows where the top-k/top-p cut is hard to place: ``ties`` (six distinct logits, so the cut
     falls inside a tie group), ``one value`` (every logit equal), ``flat`` and ``peaked`` normals."""

@@ -49,6 +49,23 @@ def test_each_runner_is_wrapped_on_its_own():
     assert logprobs.installed("mrv2") == has_mrv2_processors, logprobs.reason("mrv2")
 
 
+def test_registering_again_wraps_no_touch_point_twice():
+    from qmc_sampler.vllm_plugin import hooks
+
+    hooks.register()
+    hooks.register()  # vLLM loads general plugins once per engine it builds in a process
+    wrapped = []
+    for name in ("params_validator", "params_verify", "mrv2_unsupported"):
+        try:
+            _, found = compat.locate_with_owner(name)
+        except compat.TouchpointError:
+            continue
+        if getattr(found, "_qmc_wrapped", False):
+            wrapped.append(name)
+            assert not getattr(found.__wrapped__, "_qmc_wrapped", False), name
+    assert wrapped  # at least the admission facts' touch point (validator builder or SamplingParams.verify)
+
+
 def _fake_release(root: Path, sample_params: str) -> Path:
     files = {
         "vllm/v1/sample/sampler.py": f"class Sampler:\n    def sample({sample_params}):\n        pass\n",

@@ -13,6 +13,7 @@ engine, :func:`require_plugin` (``vllm.LLM``) / :func:`require_plugin_async`
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 __all__ = ["PROBE_METHOD", "engine_stats_async", "require_plugin", "require_plugin_async"]
@@ -58,17 +59,22 @@ def require_plugin(llm: Any) -> dict[str, Any]:
     Raises:
         RuntimeError: one line saying which half is missing and how to fix it.
     """
-    error = None
-    try:
+
+    async def probe() -> None:
         llm.generate([{"prompt_token_ids": [0]}], _probe_params(), use_tqdm=False)
-    except Exception as e:  # vLLM wraps validate_params' ValueError (VLLMValidationError)
-        error = e
-    _front_end_refused(error)
+
+    async def workers() -> list[dict[str, Any]]:
+        return llm.collective_rpc("qmc_sampler_stats")
+
+    # Its awaits are of these synchronous calls, so it never suspends: one step runs it to the end,
+    # in this thread, without an event loop.
+    check = _require(probe, workers)
     try:
-        stats = llm.collective_rpc("qmc_sampler_stats")
-    except Exception as e:
-        raise _rpc_failed(e) from None
-    return _check_workers(stats)
+        check.send(None)
+    except StopIteration as done:
+        return done.value
+    check.close()
+    raise AssertionError("the plugin check suspended")
 
 
 async def engine_stats_async(engine: Any) -> list[dict[str, Any]]:
@@ -86,15 +92,27 @@ async def engine_stats_async(engine: Any) -> list[dict[str, Any]]:
 
 async def require_plugin_async(engine: Any) -> dict[str, Any]:
     """:func:`require_plugin` for an ``AsyncLLM`` (the server's engine), every data-parallel engine included."""
-    error = None
-    try:
+
+    async def probe() -> None:
         async for _ in engine.generate({"prompt_token_ids": [0]}, _probe_params(), "qmc-sampler-probe"):
             pass
-    except Exception as e:
+
+    return await _require(probe, lambda: engine_stats_async(engine))
+
+
+async def _require(
+    probe: Callable[[], Awaitable[Any]], workers: Callable[[], Awaitable[list[dict[str, Any]]]]
+) -> dict[str, Any]:
+    """The check of both halves, written once for both engines: ``probe`` sends the request the
+    front-end must refuse, ``workers`` asks every worker for its stats."""
+    error = None
+    try:
+        await probe()
+    except Exception as e:  # vLLM wraps validate_params' ValueError (VLLMValidationError)
         error = e
     _front_end_refused(error)
     try:
-        stats = await engine_stats_async(engine)
+        stats = await workers()
     except Exception as e:
         raise _rpc_failed(e) from None
     return _check_workers(stats)

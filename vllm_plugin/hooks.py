@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from qmc_sampler.vllm_plugin import compat
@@ -48,6 +49,21 @@ def register() -> None:
         WorkerBase.qmc_sampler_stats = _worker_stats  # type: ignore[attr-defined]
 
 
+def _wrap_once(owner: Any, name: str, original: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator that puts the function it decorates, as a wrapper of ``original``, in ``owner.name``,
+    unless ``original`` is a wrapper of ours already (:func:`register` runs again in the same process)."""
+
+    def install(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(original, "_qmc_wrapped", False):
+            return original
+        wrapper = functools.wraps(original)(wrapper)
+        wrapper._qmc_wrapped = True  # type: ignore[attr-defined]
+        setattr(owner, name, wrapper)
+        return wrapper
+
+    return install
+
+
 def _worker_stats(worker: Any) -> dict[str, Any]:
     from qmc_sampler.vllm_plugin.processor import plugin_stats
 
@@ -62,10 +78,8 @@ def _record_engine_facts() -> None:
     except compat.TouchpointError:
         _record_engine_facts_at_verify()
         return
-    if getattr(original, "_qmc_wrapped", False):
-        return
 
-    @functools.wraps(original)
+    @_wrap_once(owner, "_build_logits_processors_params_validator", original)
     def build(self: Any) -> Any:
         validate = original(self)
         mrv2 = bool(getattr(self.vllm_config, "use_v2_model_runner", False))
@@ -76,9 +90,6 @@ def _record_engine_facts() -> None:
                 validate(params)
 
         return validator
-
-    build._qmc_wrapped = True  # type: ignore[attr-defined]
-    owner._build_logits_processors_params_validator = build
 
 
 def _record_engine_facts_at_verify() -> None:
@@ -91,10 +102,8 @@ def _record_engine_facts_at_verify() -> None:
             e,
         )
         return
-    if getattr(original, "_qmc_wrapped", False):
-        return
 
-    @functools.wraps(original)
+    @_wrap_once(owner, "verify", original)
     def verify(self: Any, model_config: Any, speculative_config: Any, *args: Any, **kwargs: Any) -> Any:
         # One engine's facts (its instance salt among them) for all its requests: built at its first
         # request, as vLLM >= 0.31 builds them once when the engine's input processor starts.
@@ -105,9 +114,6 @@ def _record_engine_facts_at_verify() -> None:
             _facts_by_engine[id(model_config)] = (model_config, facts)
         with engine_facts(facts):
             return original(self, model_config, speculative_config, *args, **kwargs)
-
-    verify._qmc_wrapped = True  # type: ignore[attr-defined]
-    owner.verify = verify
 
 
 def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> Any:
@@ -166,10 +172,8 @@ def _keep_model_runner_v2_choice() -> None:
         owner, original = compat.locate_with_owner("mrv2_unsupported")
     except compat.TouchpointError:
         return
-    if getattr(original, "_qmc_wrapped", False):
-        return
 
-    @functools.wraps(original)
+    @_wrap_once(owner, "_get_v2_model_runner_unsupported_features", original)
     def unsupported_features(self: Any) -> list[str]:
         unsupported = original(self)
         if _MRV2_FEATURE not in unsupported or not _only_our_entry_point(self.model_config):
@@ -185,9 +189,6 @@ def _keep_model_runner_v2_choice() -> None:
                       "this engine runs the V1 runner (designs work). To keep Model Runner V2 without qmc-sampler "
                       "for an engine, set VLLM_USE_V2_MODEL_RUNNER=1 (designs are then refused there)")  # fmt: skip
         return unsupported
-
-    unsupported_features._qmc_wrapped = True  # type: ignore[attr-defined]
-    owner._get_v2_model_runner_unsupported_features = unsupported_features
 
 
 def _only_our_entry_point(model_config: Any) -> bool:

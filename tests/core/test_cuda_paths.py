@@ -13,7 +13,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from qmc_sampler import GroupSpec, MemberState, inverse_cdf, process_logits, sample_members
 from qmc_sampler.kernels import EDGE_TOLERANCE
@@ -72,16 +71,6 @@ def test_the_kernel_agrees_with_the_torch_path_where_the_cut_is_hard_to_place(cu
         np.testing.assert_allclose(starts[same], ref_starts[same], atol=EDGE_TOLERANCE, err_msg=str(where))
 
 
-def chi_square_p(codes: np.ndarray, q: np.ndarray) -> float:
-    counts = np.bincount(codes, minlength=len(q)).astype(float)
-    expected = q * len(codes)
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-
-
 def processed(logits: torch.Tensor, setting) -> np.ndarray:
     """The processed distribution of each row, float64 on the CPU (the torch path)."""
     rows = logits.shape[0]
@@ -90,7 +79,7 @@ def processed(logits: torch.Tensor, setting) -> np.ndarray:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_each_member_drawn_by_the_core_on_the_device_is_exact_over_two_steps(setting):
+def test_each_member_drawn_by_the_core_on_the_device_is_exact_over_two_steps(setting, chi_square_p):
     # A vocabulary of several kernel blocks; the second step's logits depend on the first token
     # (picked on the device); the joint law of both tokens is q1(a)·q2(b | a).
     vocab, groups = (3000, 2000) if ON_GPU else (300, 200)

@@ -11,6 +11,7 @@ from qmc_sampler.eval.ray_backend import (
     RayBackend,
     RayBackendError,
     ReplicaPlan,
+    cpu_replica,
     finish_reason,
     plan_replicas,
     replica_env,
@@ -170,6 +171,24 @@ def test_cpu_replicas_get_bundles_and_threads_gpu_replicas_the_stages_defaults(m
     config = gpu.processor_config()
     assert config.placement_group_config is None and "OMP_NUM_THREADS" not in config.runtime_env["env_vars"]
     assert "enforce_eager" not in config.engine_kwargs and config.concurrency == (4, 4)
+
+
+@pytest.mark.parametrize("recipe", ["ray_recipe", "ray_serve_recipe"])
+def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypatch, recipe):
+    # The recipes spell the settings out (a user reads and copies them whole): they must stay cpu_replica(1)'s.
+    pytest.importorskip("ray.data.llm", reason="ray extra not installed")
+    import importlib
+
+    import ray
+
+    module = importlib.import_module(f"qmc_sampler.eval.{recipe}")
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})  # a cluster without GPUs
+    config = module.stage_config("/models/m", 2, 4, {}) if recipe == "ray_recipe" else module.llm_config("/models/m", 2)
+    replica = cpu_replica(1)
+    bundles = config.placement_group_config["bundles"]
+    assert [b["CPU"] for b in bundles] == [b["CPU"] for b in replica.placement_group_config["bundles"]]
+    assert config.runtime_env["env_vars"].items() >= replica.env_vars.items()
+    assert config.engine_kwargs.items() >= replica.engine_kwargs.items()
 
 
 @pytest.mark.parametrize(

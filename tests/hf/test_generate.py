@@ -10,7 +10,6 @@ test in this file (:data:`TESTS`).
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 transformers = pytest.importorskip("transformers")
 from qmc_sampler.hf import QMCGenerate, patch_generate  # noqa: E402
@@ -59,24 +58,10 @@ def generate_groups(model, inputs, generator, groups, new_tokens=1, g=G, **setti
     return np.stack(out)
 
 
-def chi_square_p(tokens: np.ndarray, q: np.ndarray) -> float:
-    counts = np.bincount(tokens, minlength=len(q)).astype(float)
-    expected = q * len(tokens)
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-
-
-def balanced(tokens, q) -> bool:
-    counts = np.bincount(tokens, minlength=len(q))
-    m = len(tokens)
-    return bool(np.all((counts == np.floor(m * q)) | (counts == np.ceil(m * q))))
-
-
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_each_member_is_an_exact_draw_and_every_lattice_group_is_balanced(hf_model, tokenizer, setting):
+def test_each_member_is_an_exact_draw_and_every_lattice_group_is_balanced(
+    hf_model, tokenizer, setting, balanced, chi_square_p
+):
     inputs = inputs_for(tokenizer, ["the quick brown"])
     q = hf_probs(hf_model, inputs, **SETTINGS[setting])[0]
     assert q.max() < 0.7 and (q > 0).sum() > 5  # a flat enough distribution for the tests to have power
@@ -86,7 +71,7 @@ def test_each_member_is_an_exact_draw_and_every_lattice_group_is_balanced(hf_mod
         assert chi_square_p(first[:, member], q) > ALPHA, (setting, member)
 
 
-def test_a_left_padded_batch_of_different_prompts_is_one_group_per_prompt(hf_model, tokenizer):
+def test_a_left_padded_batch_of_different_prompts_is_one_group_per_prompt(hf_model, tokenizer, balanced, chi_square_p):
     inputs = inputs_for(tokenizer, ["the quick brown", "pack my box with five dozen"])
     assert (inputs["attention_mask"] == 0).any()  # really left-padded
     q = hf_probs(hf_model, inputs, temperature=T)
@@ -101,7 +86,7 @@ def test_a_left_padded_batch_of_different_prompts_is_one_group_per_prompt(hf_mod
 
 
 @pytest.mark.parametrize("eos", [False, True], ids=["no-eos", "eos-mid-group"])
-def test_the_carry_keeps_the_second_token_exact(hf_model, tokenizer, eos):
+def test_the_carry_keeps_the_second_token_exact(hf_model, tokenizer, eos, chi_square_p):
     # With eos: the likeliest first token ends a member, whose second position is then padding,
     # while the other members of the same group draw their second token on.
     inputs = inputs_for(tokenizer, ["the quick brown"])
@@ -124,7 +109,7 @@ def test_the_carry_keeps_the_second_token_exact(hf_model, tokenizer, eos):
         assert chi_square_p(codes, joint) > ALPHA, member
 
 
-def test_members_that_hit_eos_are_padded_while_the_others_go_on(hf_model, tokenizer):
+def test_members_that_hit_eos_are_padded_while_the_others_go_on(hf_model, tokenizer, balanced):
     inputs = inputs_for(tokenizer, ["the quick brown"])
     q = hf_probs(hf_model, inputs, temperature=T)[0]
     eos = int(np.argmax(q))  # the likeliest first token ends a member after one token
@@ -141,7 +126,7 @@ def test_members_that_hit_eos_are_padded_while_the_others_go_on(hf_model, tokeni
     assert generator.stats.unsampleable == 0
 
 
-def test_repeated_prompt_rows_are_grouped_like_trls_batches(hf_model, tokenizer):
+def test_repeated_prompt_rows_are_grouped_like_trls_batches(hf_model, tokenizer, balanced):
     # TRL's GRPO repeats each prompt G times in a row and calls generate with num_return_sequences=1.
     prompts = ["the quick brown"] * 4 + ["pack my box with five dozen"] * 4
     inputs = inputs_for(tokenizer, prompts)

@@ -12,7 +12,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 transformers = pytest.importorskip("transformers")
 from qmc_sampler.hf import QMCGenerate  # noqa: E402
@@ -72,23 +71,10 @@ def generate_groups(model, inputs, generator, new_tokens, **settings) -> np.ndar
     return np.stack(out)
 
 
-def chi_square_p(codes: np.ndarray, q: np.ndarray) -> float:
-    counts = np.bincount(codes, minlength=len(q)).astype(float)
-    expected = q * len(codes)
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-
-
-def balanced(tokens, q) -> bool:
-    counts = np.bincount(tokens, minlength=len(q))
-    return bool(np.all((counts == np.floor(len(tokens) * q)) | (counts == np.ceil(len(tokens) * q))))
-
-
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_on_the_device_each_member_is_exact_and_every_lattice_group_balanced(model, inputs, setting):
+def test_on_the_device_each_member_is_exact_and_every_lattice_group_balanced(
+    model, inputs, setting, balanced, chi_square_p
+):
     q = hf_probs(model, inputs, **SETTINGS[setting])[0]
     assert q.max() < 0.7 and (q > 0).sum() > 5  # flat enough for the tests to have power
     first = generate_groups(model, inputs, QMCGenerate("lattice", seed=1), 1, **SETTINGS[setting])[:, :, 0]
@@ -97,7 +83,7 @@ def test_on_the_device_each_member_is_exact_and_every_lattice_group_balanced(mod
         assert chi_square_p(first[:, member], q) > ALPHA, (setting, member)
 
 
-def test_on_the_device_the_carry_keeps_the_second_token_exact(model, inputs):
+def test_on_the_device_the_carry_keeps_the_second_token_exact(model, inputs, chi_square_p):
     q1 = hf_probs(model, inputs, temperature=T)[0]
     pairs = generate_groups(model, inputs, QMCGenerate("lattice", seed=3), 2, temperature=T)
     vocab = len(q1)

@@ -21,7 +21,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 transformers = pytest.importorskip("transformers")
 from qmc_sampler.hf import QMCGenerate  # noqa: E402
@@ -96,31 +95,19 @@ def first_tokens(model, inputs, generator, g, calls=CALLS) -> np.ndarray:
     return np.stack(out)
 
 
-def balanced(tokens, q) -> bool:
-    counts = np.bincount(tokens, minlength=len(q))
-    m = len(tokens)
-    return bool(np.all((counts == np.floor(m * q)) | (counts == np.ceil(m * q))))
+@pytest.fixture(scope="module")
+def assert_one_group_per_prompt(balanced, chi_square_p):
+    def check(generator, first, q, g):
+        """Prompt p's g copies (rows pg…pg+g−1) are one group, balanced in every call, each member exact."""
+        prompts = len(q)
+        assert [g_.rows for g_ in generator.last_groups] == [tuple(range(p * g, (p + 1) * g)) for p in range(prompts)]
+        for p in range(prompts):
+            rows = first[:, p * g : (p + 1) * g]
+            assert all(balanced(call, q[p]) for call in rows), p
+            for member in range(g):
+                assert chi_square_p(rows[:, member], q[p]) > ALPHA, (p, member)
 
-
-def chi_square_p(tokens: np.ndarray, q: np.ndarray) -> float:
-    counts = np.bincount(tokens, minlength=len(q)).astype(float)
-    expected = q * len(tokens)
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-
-
-def assert_one_group_per_prompt(generator, first, q, g):
-    """Prompt p's g copies (rows pg…pg+g−1) are one group, balanced in every call, each member exact."""
-    prompts = len(q)
-    assert [g_.rows for g_ in generator.last_groups] == [tuple(range(p * g, (p + 1) * g)) for p in range(prompts)]
-    for p in range(prompts):
-        rows = first[:, p * g : (p + 1) * g]
-        assert all(balanced(call, q[p]) for call in rows), p
-        for member in range(g):
-            assert chi_square_p(rows[:, member], q[p]) > ALPHA, (p, member)
+    return check
 
 
 def has_power(q):
@@ -130,7 +117,7 @@ def has_power(q):
 
 
 @pytest.mark.parametrize("g", [3, 4])
-def test_encoder_decoder_prompts_are_separate_groups(t5, g):
+def test_encoder_decoder_prompts_are_separate_groups(t5, g, assert_one_group_per_prompt):
     # Every decoder row starts as the decoder start token: only the encoder inputs tell the prompts apart.
     inputs = t5_inputs(T5_PROMPTS)
     q = hf_probs(t5, inputs)
@@ -139,7 +126,7 @@ def test_encoder_decoder_prompts_are_separate_groups(t5, g):
     assert_one_group_per_prompt(generator, first_tokens(t5, inputs, generator, g), q, g)
 
 
-def test_encoder_decoder_repeated_prompts_merge_like_trls_batches(t5):
+def test_encoder_decoder_repeated_prompts_merge_like_trls_batches(t5, balanced):
     # TRL repeats each prompt G times in a row with num_return_sequences=1.
     inputs = t5_inputs([T5_PROMPTS[0]] * 4 + [T5_PROMPTS[1]] * 4)
     q = hf_probs(t5, t5_inputs(T5_PROMPTS))
@@ -149,7 +136,7 @@ def test_encoder_decoder_repeated_prompts_merge_like_trls_batches(t5):
     assert all(balanced(call[:4], q[0]) and balanced(call[4:], q[1]) for call in first)
 
 
-def test_inputs_embeds_prompts_are_separate_groups(hf_model):
+def test_inputs_embeds_prompts_are_separate_groups(hf_model, assert_one_group_per_prompt):
     # Decoder-only with inputs_embeds: the decoder ids are empty, the embeddings are the prompt.
     ids = torch.tensor([[381, 311, 31, 346], [335, 93, 368, 353]])  # "answer: 42", "sphinx of black" (tiny BPE)
     with torch.no_grad():
@@ -160,7 +147,9 @@ def test_inputs_embeds_prompts_are_separate_groups(hf_model):
     assert_one_group_per_prompt(generator, first_tokens(hf_model, inputs, generator, 3), q, 3)
 
 
-def test_vision_language_prompts_that_differ_only_in_their_images_are_separate_groups(llava):
+def test_vision_language_prompts_that_differ_only_in_their_images_are_separate_groups(
+    llava, assert_one_group_per_prompt
+):
     torch.manual_seed(1)
     inputs = llava_inputs([torch.randn(3, 28, 28), torch.randn(3, 28, 28)])
     q = hf_probs(llava, inputs)
@@ -182,7 +171,7 @@ def test_vision_language_rows_with_the_same_image_merge(llava):
     [(3, (0, 3, 1, 4, 2, 5)), (4, (0, 1, 2, 3, 4, 5, 6, 7))],
     ids=["n=6-round-robin", "n=8-radical-inverse-blocks"],
 )
-def test_a_prompt_given_twice_is_one_group_whose_copies_are_each_balanced(t5, g, member_rows):
+def test_a_prompt_given_twice_is_one_group_whose_copies_are_each_balanced(t5, g, member_rows, balanced, chi_square_p):
     # Lattice of n = 2g: for n = 6 (codes i/6 + Δ in member order) the copies' members alternate, so each
     # copy holds a shifted lattice of size g; for n = 8 (radical-inverse order) each aligned block of 4
     # members already is one. Either way each copy is balanced on its own, and the merged group too.

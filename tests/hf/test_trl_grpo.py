@@ -25,13 +25,7 @@ def reward_length(completions, **_):
     return [float(len(c)) for c in completions]
 
 
-def balanced(tokens, q) -> bool:
-    counts = np.bincount(tokens, minlength=len(q))
-    m = len(tokens)
-    return bool(np.all((counts == np.floor(m * q)) | (counts == np.ceil(m * q))))
-
-
-def test_a_grpo_step_makes_each_prompts_rollouts_one_balanced_group(tiny_model_dir, tmp_path):
+def test_a_grpo_step_makes_each_prompts_rollouts_one_balanced_group(tiny_model_dir, tmp_path, balanced):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")

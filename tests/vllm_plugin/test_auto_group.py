@@ -17,7 +17,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 from qmc_sampler.vllm_plugin.checks import require_plugin
@@ -56,18 +55,12 @@ def generate(llm, prompts, params):
     return [tuple(o.outputs[0].token_ids) for o in outs]
 
 
-def balanced(tokens, q):
-    counts = np.bincount(tokens, minlength=len(q))
-    m = len(tokens)
-    return bool(np.all((counts == np.floor(m * q)) | (counts == np.ceil(m * q))))
-
-
 def test_the_engine_runs_the_plugin(llm):
     stats = require_plugin(llm)
     assert stats["processors"] == 1 and stats["interface"] == "v1"
 
 
-def test_64_identical_requests_are_one_group_balanced_over_every_power_of_two(llm, hf_model, drop_in):
+def test_64_identical_requests_are_one_group_balanced_over_every_power_of_two(llm, hf_model, drop_in, balanced):
     prompt = [1, 70, 122, 35]
     before = llm.collective_rpc("qmc_sampler_stats")[0]
     samples = generate(llm, [prompt] * 64, SamplingParams(temperature=T, max_tokens=3))
@@ -80,7 +73,7 @@ def test_64_identical_requests_are_one_group_balanced_over_every_power_of_two(ll
     assert after["auto_groups"] - before["auto_groups"] == 1
 
 
-def test_each_member_of_seeded_repeats_is_an_exact_draw(llm, hf_model, drop_in):
+def test_each_member_of_seeded_repeats_is_an_exact_draw(llm, hf_model, drop_in, balanced, chi_square_p):
     prompt, groups, n = [1, 90, 12], 200, 8
     prompts, params = [], []
     for seed in range(groups):  # lm-eval's shape: each doc's repeats in a row, one seed on all of them
@@ -90,14 +83,10 @@ def test_each_member_of_seeded_repeats_is_an_exact_draw(llm, hf_model, drop_in):
     q = q_first(hf_model, prompt)
     assert all(balanced(row, q) for row in tokens)
     for member in range(n):
-        counts = np.bincount(tokens[:, member], minlength=len(q)).astype(float)
-        expected = q * groups
-        big = expected >= 5
-        obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
-        assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3 / n, member
+        assert chi_square_p(tokens[:, member], q) > 1e-3 / n, member
 
 
-def test_one_seed_on_every_repeat_gives_distinct_samples_and_the_same_group_again(llm, hf_model, drop_in):
+def test_one_seed_on_every_repeat_gives_distinct_samples_and_the_same_group_again(llm, hf_model, drop_in, balanced):
     prompt = [1, 250, 7]
     params = SamplingParams(temperature=T, max_tokens=6, seed=1234)
     first = generate(llm, [prompt] * 32, params)
@@ -129,7 +118,7 @@ def test_two_engines_started_alike_build_different_groups_from_the_same_seeded_r
     assert len(mine) == len(theirs) == 8 and mine != theirs
 
 
-def test_repeats_while_the_group_is_open_extend_it(llm, hf_model, drop_in, monkeypatch):
+def test_repeats_while_the_group_is_open_extend_it(llm, hf_model, drop_in, monkeypatch, balanced):
     monkeypatch.setenv("QMC_SAMPLER_GROUP_TTL", "600")
     prompt = [1, 5, 77, 200]
     params = SamplingParams(temperature=T, max_tokens=1, seed=77)
@@ -167,7 +156,7 @@ def test_an_extra_member_of_an_iid_group_is_not_a_siblings_copy(llm):
     assert samples[4] not in samples[:4] and samples[5] not in samples[:4], samples
 
 
-def test_a_caller_group_without_a_seed_is_still_one_group(llm, hf_model):
+def test_a_caller_group_without_a_seed_is_still_one_group(llm, hf_model, balanced):
     # Without a seed each member used to get its own random seed: eight unrelated draws.
     prompt = [1, 90, 12]
     q = q_first(hf_model, prompt)
@@ -183,7 +172,7 @@ def test_a_caller_group_without_a_seed_is_still_one_group(llm, hf_model):
         assert balanced([s[0] for s in generate(llm, [prompt] * 8, params)], q), group
 
 
-def test_one_request_at_a_time_of_one_token_each_still_forms_the_group(llm, hf_model, drop_in, monkeypatch):
+def test_one_request_at_a_time_of_one_token_each_still_forms_the_group(llm, hf_model, drop_in, monkeypatch, balanced):
     # lm-eval with num_concurrent=1 and max_gen_toks=1: each repeat arrives after the
     # previous one finished, right after its only draw (which is never committed).
     monkeypatch.setenv("QMC_SAMPLER_GROUP_TTL", "600")
@@ -193,7 +182,7 @@ def test_one_request_at_a_time_of_one_token_each_still_forms_the_group(llm, hf_m
     assert balanced(first, q_first(hf_model, prompt)), first
 
 
-def test_explicit_member_arguments_with_n_above_one_are_n_members_of_the_group(llm, hf_model):
+def test_explicit_member_arguments_with_n_above_one_are_n_members_of_the_group(llm, hf_model, balanced):
     prompt = [1, 90, 12]
     q = q_first(hf_model, prompt)
     for group in range(4):

@@ -173,12 +173,7 @@ def first_token_probs(hf_model, prompt_ids):
     return torch.softmax(logits.double() / T, -1).numpy()
 
 
-def balanced(tokens, q):
-    counts = np.bincount(tokens, minlength=len(q))
-    return bool(np.all((counts == np.floor(len(tokens) * q)) | (counts == np.ceil(len(tokens) * q))))
-
-
-def test_64_separate_n1_requests_over_http_form_one_group(server, hf_model):
+def test_64_separate_n1_requests_over_http_form_one_group(server, hf_model, balanced):
     # Sent in 8 waves of 8 concurrent requests: the first 8·w arrivals are waves 1..w.
     prompt = [1, 70, 122, 35]
 
@@ -197,7 +192,7 @@ def test_64_separate_n1_requests_over_http_form_one_group(server, hf_model):
         assert balanced(first[:m], q), (m, first[:m])
 
 
-def test_one_seed_on_every_request_over_http_gives_distinct_balanced_samples(server, hf_model):
+def test_one_seed_on_every_request_over_http_gives_distinct_balanced_samples(server, hf_model, balanced):
     prompt = [1, 90, 12]
     outs = [
         server.completions.create(
@@ -234,7 +229,7 @@ def test_two_replicas_started_alike_never_build_the_same_unseeded_group(server, 
     assert group(server) != group(second_server)
 
 
-def test_sequential_seeded_repeats_longer_than_the_ttl_are_distinct_balanced_members(second_server, hf_model):
+def test_sequential_seeded_repeats_longer_than_the_ttl_are_distinct_balanced_members(second_server, hf_model, balanced):
     # lm-eval with num_concurrent=1 on a shared server: each repeat is sent when the previous one
     # finished, each generation outlasts the ttl, and other users' requests keep the engine stepping
     # (so the finished member leaves the batch before the next repeat arrives). The ttl counts from

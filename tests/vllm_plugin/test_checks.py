@@ -1,0 +1,100 @@
+"""The start-up check (:mod:`qmc_sampler.vllm_plugin.checks`) through both its doors, on stand-in
+engines: ``require_plugin`` (``vllm.LLM``) and ``require_plugin_async`` (``AsyncLLM``) give the same
+verdicts, in the same order (the workers are not asked when the front-end lets the probe through)."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+
+from qmc_sampler.vllm_plugin.checks import PROBE_METHOD, require_plugin, require_plugin_async
+
+RUNS = [{"processors": 1, "interface": "v1"}, {"processors": 1, "interface": "v1"}]
+
+
+class Engine:
+    """An ``LLM`` or ``AsyncLLM`` stand-in: its front-end refuses the probe or not; its workers
+    answer ``stats`` (or the RPC raises ``rpc_error``)."""
+
+    def __init__(self, refuses=True, stats=RUNS, rpc_error=None):
+        self.refuses, self.stats, self.rpc_error, self.asked = refuses, stats, rpc_error, []
+        self.engine_core = object()  # no data-parallel client
+
+    def _admit(self, params) -> None:
+        method = params.extra_args["qmc_method"]
+        if self.refuses:
+            raise ValueError(f"unknown qmc_method {method!r}")
+
+    def _rpc(self, name):
+        self.asked.append(name)
+        if self.rpc_error:
+            raise self.rpc_error
+        return self.stats
+
+    # vllm.LLM
+    def generate(self, prompts, params, use_tqdm=True):
+        self._admit(params)
+        return []
+
+    def collective_rpc(self, name):
+        return self._rpc(name)
+
+
+class AsyncEngine(Engine):
+    async def _outputs(self, params):
+        self._admit(params)
+        yield "output"
+
+    def generate(self, prompt, params, request_id):
+        return self._outputs(params)
+
+    async def collective_rpc(self, name):
+        return self._rpc(name)
+
+
+def check(door: str, **engine):
+    if door == "sync":
+        return require_plugin(Engine(**engine))
+    return asyncio.run(require_plugin_async(AsyncEngine(**engine)))
+
+
+@pytest.mark.parametrize("door", ["sync", "async"])
+def test_an_engine_that_runs_the_plugin_passes_with_its_first_workers_stats(door):
+    assert check(door) == RUNS[0]
+
+
+@pytest.mark.parametrize("door", ["sync", "async"])
+def test_a_front_end_without_the_processor_fails_before_the_workers_are_asked(door):
+    engine = (Engine if door == "sync" else AsyncEngine)(refuses=False)
+    with pytest.raises(RuntimeError, match="this vLLM engine does not run the qmc-sampler logits processor"):
+        require_plugin(engine) if door == "sync" else asyncio.run(require_plugin_async(engine))
+    assert engine.asked == []
+
+
+@pytest.mark.parametrize("door", ["sync", "async"])
+def test_workers_without_the_processor_are_named(door):
+    with pytest.raises(RuntimeError, match=r"vLLM worker\(s\) \[1\] do not run"):
+        check(door, stats=[RUNS[0], {"processors": 0}])
+
+
+@pytest.mark.parametrize("door", ["sync", "async"])
+def test_an_rpc_that_fails_is_one_line_without_the_rpcs_traceback(door):
+    with pytest.raises(RuntimeError, match=r"cannot ask the vLLM workers .*AttributeError: no such method") as info:
+        check(door, rpc_error=AttributeError("no such method"))
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_the_probe_is_the_method_the_processor_refuses():
+    engine = Engine()
+    seen = []
+    engine._admit = lambda params: seen.append(params.extra_args) or Engine._admit(engine, params)
+    require_plugin(engine)
+    assert seen == [{"qmc_method": PROBE_METHOD}]
+
+
+def test_the_sync_door_works_inside_a_running_event_loop():
+    async def inside():  # a notebook or an async caller of a vllm.LLM
+        return require_plugin(Engine())
+
+    assert asyncio.run(inside()) == RUNS[0]
