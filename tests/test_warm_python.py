@@ -79,6 +79,7 @@ def spawns_a_sleeper(pid_file: Path, then: str) -> str:
     return (
         "import subprocess, sys, time\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print('sleeper started', flush=True)\n"
         f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n" + then
     )
 
@@ -91,7 +92,7 @@ def test_what_a_run_leaves_running_is_killed_when_it_ends(light, tmp_path):
 
 def test_a_run_past_its_timeout_is_killed_with_what_it_started_and_the_server_goes_on(light, tmp_path):
     pid_file = tmp_path / "child.pid"
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired, match=r"(?s)after 30 seconds.*its stdout ends:\nsleeper started"):
         light.run(["-c", spawns_a_sleeper(pid_file, "time.sleep(600)\n")], env=dict(os.environ), cwd=tmp_path,
                   timeout=30)  # fmt: skip
     assert gone(int(pid_file.read_text()))

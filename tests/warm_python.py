@@ -108,6 +108,19 @@ for line in sys.stdin:
 """
 
 
+class RunTimedOut(subprocess.TimeoutExpired):
+    """A run killed at its timeout; the message ends with what it printed."""
+
+    def __str__(self) -> str:
+        tails = [f"{name} ends:\n" + "\n".join(text.splitlines()[-20:]) for name, text in
+                 (("its stdout", self.stdout or ""), ("its stderr", self.stderr or "")) if text]  # fmt: skip
+        return "; ".join([super().__str__(), *tails])
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
 class WarmPython:
     """A server process that forks a fresh child per :meth:`run` (one run at a time; callers in
     several threads wait for each other).
@@ -164,7 +177,7 @@ class WarmPython:
             ``CompletedProcess`` with ``returncode`` (``-N`` for signal N), ``stdout`` and ``stderr``.
 
         Raises:
-            subprocess.TimeoutExpired: the run took longer than ``timeout``.
+            RunTimedOut: the run took longer than ``timeout`` (a ``subprocess.TimeoutExpired``).
             RuntimeError: the server is gone.
         """
         with self._lock:
@@ -188,7 +201,7 @@ class WarmPython:
                 except (subprocess.TimeoutExpired, RuntimeError) as lost:
                     self._broken = f"a run outlived its kill ({lost})"
                     self._server.kill()
-                raise
+                raise RunTimedOut(argv, timeout, _text(output), _text(errors)) from None
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             done = subprocess.CompletedProcess(
                 argv, code, output.read_text(errors="replace"), errors.read_text(errors="replace")
