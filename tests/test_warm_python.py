@@ -19,7 +19,7 @@ _spec.loader.exec_module(warm_python_module)
 @pytest.fixture(scope="module")
 def light():
     """A warm Python that preloads only the standard library (the protocol, not the imports)."""
-    server = warm_python_module.WarmPython(preload=("json", "decimal"))
+    server = warm_python_module.WarmPython(env=os.environ | {"SERVER_ONLY": "1"}, preload=("json", "decimal"))
     try:
         yield server
     finally:
@@ -30,8 +30,9 @@ def test_a_run_gets_its_argv_environment_directory_and_path_and_its_exit_code(li
     script = tmp_path / "probe.py"
     script.write_text(
         "import json, os, sys\n"
-        "print(json.dumps({'argv': sys.argv, 'env': os.environ.get('PROBE'), 'cwd': os.getcwd(),\n"
-        "                  'first': sys.path[:2], 'decimal_loaded': 'decimal' in sys.modules}))\n"
+        "print(json.dumps({'argv': sys.argv, 'env': dict(os.environ), 'cwd': os.getcwd(),\n"
+        "                  'first': sys.path[:2], 'decimal_loaded': 'decimal' in sys.modules,\n"
+        "                  'stdin': sys.stdin.read()}))\n"
         "print('to stderr', file=sys.stderr)\n"
         "sys.exit(3)\n"
     )
@@ -39,16 +40,32 @@ def test_a_run_gets_its_argv_environment_directory_and_path_and_its_exit_code(li
     done = light.run([str(script), "a", "b"], env={"PROBE": "yes"}, cwd=tmp_path / "extra", path_first=("/nowhere",))
     seen = json.loads(done.stdout)
     assert done.returncode == 3 and done.stderr == "to stderr\n"
-    assert seen["argv"] == [str(script), "a", "b"] and seen["env"] == "yes"
+    assert seen["argv"] == [str(script), "a", "b"] and seen["env"] == {"PROBE": "yes"}  # the server's is gone
     assert seen["cwd"] == str(tmp_path / "extra") and seen["first"] == [str(tmp_path), "/nowhere"]
-    assert seen["decimal_loaded"]  # preloaded once, before the fork
+    assert seen["decimal_loaded"] and seen["stdin"] == ""  # preloaded once, before the fork; stdin empty
 
 
-def test_modules_and_sources_run_as_python_m_and_c(light, tmp_path):
+def test_modules_and_sources_run_in_a_main_module_of_their_own(light, tmp_path):
     by_module = light.run(["-m", "platform", "--terse"], env={}, cwd=tmp_path)
     assert by_module.returncode == 0 and by_module.stdout.strip(), by_module.stderr
-    by_source = light.run(["-c", "import sys; print(sys.argv); raise SystemExit('bad')", "x"], env={}, cwd=tmp_path)
-    assert by_source.stdout == "['-c', 'x']\n" and by_source.returncode == 1 and "bad" in by_source.stderr
+    source = (
+        "import pickle, sys\n"
+        "def f(): pass\n"
+        "assert pickle.loads(pickle.dumps(f)) is f and sys.modules['__main__'].f is f\n"
+        "print(sys.argv); raise SystemExit('bad')\n"
+    )
+    by_source = light.run(["-c", source, "x"], env={}, cwd=tmp_path)
+    assert by_source.stdout == "['-c', 'x']\n" and by_source.returncode == 1 and by_source.stderr == "bad\n"
+
+
+def test_a_run_ends_as_python_ends_atexit_and_threads_included(light, tmp_path):
+    source = (
+        "import atexit, threading, time\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done', flush=True))).start()\n"
+    )
+    done = light.run(["-c", source], env={}, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout == "thread done\natexit ran\n", done
 
 
 def test_a_crash_is_a_signal_and_an_exception_is_exit_code_1(light, tmp_path):
@@ -58,28 +75,45 @@ def test_a_crash_is_a_signal_and_an_exception_is_exit_code_1(light, tmp_path):
     assert raised.returncode == 1 and "ValueError: boom" in raised.stderr
 
 
+def spawns_a_sleeper(pid_file: Path, then: str) -> str:
+    return (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print('sleeper started', flush=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n" + then
+    )
+
+
+def test_what_a_run_leaves_running_is_killed_when_it_ends(light, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    assert light.run(["-c", spawns_a_sleeper(pid_file, "")], env=dict(os.environ), cwd=tmp_path).returncode == 0
+    assert gone(int(pid_file.read_text()))
+
+
 def test_a_run_past_its_timeout_is_killed_with_what_it_started_and_the_server_goes_on(light, tmp_path):
     pid_file = tmp_path / "child.pid"
-    source = (
-        "import subprocess, sys, time\n"
-        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-        "time.sleep(600)\n"
-    )
-    with pytest.raises(subprocess.TimeoutExpired):
-        light.run(["-c", source], env=dict(os.environ), cwd=tmp_path, timeout=5)
-    started = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
-    while alive(started) and time.monotonic() < deadline:  # killed with its group
-        time.sleep(0.1)
-    assert not alive(started)
+    with pytest.raises(subprocess.TimeoutExpired, match=r"(?s)after 30 seconds.*its stdout ends:\nsleeper started"):
+        light.run(["-c", spawns_a_sleeper(pid_file, "time.sleep(600)\n")], env=dict(os.environ), cwd=tmp_path,
+                  timeout=30)  # fmt: skip
+    assert gone(int(pid_file.read_text()))
     assert light.run(["-c", "print(7)"], env={}, cwd=tmp_path).stdout == "7\n"
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for a parent that does not reap it does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
+def test_a_server_that_cannot_start_says_why():
+    # qmc_sampler itself must never be preloaded: each run imports its own (a mutant's copy, say).
+    with pytest.raises(RuntimeError, match=r"(?s)exited \(1\).*AssertionError: preloaded qmc_sampler"):
+        warm_python_module.WarmPython(preload=("json", "qmc_sampler"))
+
+
+def gone(pid: int, within: float = 10) -> bool:
+    """Whether ``pid`` stops running within ``within`` s (a zombie nobody reaps counts as stopped)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False

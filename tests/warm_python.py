@@ -4,13 +4,17 @@ Tests that need a *fresh* interpreter (a mutated copy of the package, a docs blo
 with its own environment) spent most of their time importing torch, transformers and vLLM
 again. :class:`WarmPython` imports them once in a server process and forks it for each run:
 the child starts with those libraries loaded and nothing of ``qmc_sampler`` (the server
-checks that it never imported it), sets its environment, working directory, ``sys.path`` and
-``sys.argv``, and runs the module or script as ``python -m``/``python FILE`` would. Its exit
-code, a signal included, and its output come back as from :func:`subprocess.run`.
+checks that it never imported it, and that no thread but its own runs when it forks), takes
+its environment, working directory, ``sys.path`` and ``sys.argv``, runs the module, source
+or script in a new ``__main__`` as ``python -m``/``-c``/``FILE`` would, and ends as Python
+does (``atexit`` handlers, non-daemon threads). Its exit code, a signal included, and its
+output come back as from :func:`subprocess.run`; whatever it left running is killed with
+its process group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -18,50 +22,69 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 #: Imported once by the server: what every run would import again (no qmc_sampler among them).
 PRELOAD = ("numpy", "scipy.stats", "torch", "transformers", "pytest", "hypothesis", "vllm", "vllm.config")
 
 _SERVER = r"""
-import importlib, json, os, runpy, sys, traceback
+import importlib, json, os, runpy, sys, threading, traceback, types
+# The protocol gets a descriptor of its own; what the preloaded libraries print goes to stderr.
+protocol = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+environment_before = dict(os.environ)
 for name in sys.argv[1:]:
     try:
         importlib.import_module(name)
     except ImportError:
-        pass  # (an optional library: the runs that need it import it themselves)
+        pass  # an optional library: the runs that need it import it themselves
+    except Exception:
+        print(f"warm python: importing {name} failed:", file=sys.stderr)
+        traceback.print_exc()
 assert not any(m == "qmc_sampler" or m.startswith("qmc_sampler.") for m in sys.modules), "preloaded qmc_sampler"
+# What the imports set in the environment (vLLM's env_override, say): each run gets it too, as
+# a fresh process that imported them would.
+set_by_imports = {k: v for k, v in os.environ.items() if environment_before.get(k) != v}
 base_path = list(sys.path)
-print(json.dumps({"ready": os.getpid()}), flush=True)
+sys.stdout.flush()
+sys.stderr.flush()
+print(json.dumps({"ready": os.getpid()}), file=protocol, flush=True)
 for line in sys.stdin:
     request = json.loads(line)
-    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    err = os.open(request["errors"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    assert not others, f"the warm python runs threads {others}: a fork would copy them half-way"
     pid = os.fork()
-    if pid == 0:  # the child: becomes the run
+    if pid == 0:  # the child: becomes the run, and ends as Python ends
         code = 1
         try:
-            os.dup2(out, 1)
-            os.dup2(err, 2)
-            os.close(out)
-            os.close(err)
+            protocol.close()
+            os.setpgid(0, 0)  # its own group: it is killed with whatever it started
+            out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            err = os.open(request["errors"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)
-            os.setpgid(0, 0)  # its own group: a timed-out run is killed with whatever it started
+            for source, target in ((devnull, 0), (out, 1), (err, 2)):
+                os.dup2(source, target)
+                os.close(source)
+            sys.stdin = open(0, closefd=False)
             os.chdir(request["cwd"])
             os.environ.clear()
-            os.environ.update(request["env"])
+            os.environ.update(set_by_imports | request["env"])
             sys.path[:] = [*request["path_first"], *base_path]
             argv = request["argv"]
-            sys.argv = argv[1:] if argv[0] == "-m" else argv
             if argv[0] == "-m":
-                sys.argv[0] = argv[1]
+                sys.argv = [argv[1], *argv[2:]]
                 runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
             elif argv[0] == "-c":
                 sys.argv = ["-c", *argv[2:]]
-                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+                main = types.ModuleType("__main__")
+                main.__builtins__ = __builtins__
+                main.__spec__ = None
+                sys.modules["__main__"] = main
+                exec(compile(argv[1], "<string>", "exec"), main.__dict__)
             else:
-                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+                sys.argv = list(argv)
+                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python FILE` does
                 runpy.run_path(argv[0], run_name="__main__")
             code = 0
         except SystemExit as stop:
@@ -70,41 +93,64 @@ for line in sys.stdin:
                 print(stop.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    os.close(out)
-    os.close(err)
-    print(json.dumps({"pid": pid}), flush=True)
+        raise SystemExit(code)  # out of the loop: atexit handlers and threads run as at any exit
+    try:
+        os.setpgid(pid, pid)  # (set on both sides: no kill of the group can come before it exists)
+    except OSError:
+        pass
+    print(json.dumps({"pid": pid}), file=protocol, flush=True)
     _, status = os.waitpid(pid, 0)
-    print(json.dumps({"status": status}), flush=True)
+    try:
+        os.killpg(pid, 9)  # what the run left running (a real process's leftovers would hold its pipes)
+    except ProcessLookupError:
+        pass
+    print(json.dumps({"status": status}), file=protocol, flush=True)
 """
 
 
+class RunTimedOut(subprocess.TimeoutExpired):
+    """A run killed at its timeout; the message ends with what it printed."""
+
+    def __str__(self) -> str:
+        tails = [f"{name} ends:\n" + "\n".join(text.splitlines()[-20:]) for name, text in
+                 (("its stdout", self.stdout or ""), ("its stderr", self.stderr or "")) if text]  # fmt: skip
+        return "; ".join([super().__str__(), *tails])
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
 class WarmPython:
-    """A server process that forks a fresh child per :meth:`run` (one run at a time).
+    """A server process that forks a fresh child per :meth:`run` (one run at a time; callers in
+    several threads wait for each other).
 
     Args:
-        env: the server's environment (the children get the one each run names).
+        env: the server's environment (each run gets the one it names).
         preload: modules the server imports before it forks.
+
+    Raises:
+        RuntimeError: the server did not start (its stderr's last lines quoted).
     """
 
     def __init__(self, env: dict[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> None:
-        self._server = subprocess.Popen(
-            [sys.executable, "-P", "-c", _SERVER, *preload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=dict(env or os.environ),
-            text=True,
-        )
-        self._lines = b""
-        ready = self._read(timeout=300)
-        if "ready" not in ready:
-            raise RuntimeError(f"the warm Python did not start: {ready}")
         self._scratch = tempfile.TemporaryDirectory(prefix="warm-python-")
+        self._log = Path(self._scratch.name) / "server.log"
+        self._lines = b""
+        self._lock = threading.Lock()
+        self._runs = 0
+        self._broken = ""
+        with open(self._log, "wb") as log:
+            self._server = subprocess.Popen(
+                [sys.executable, "-P", "-c", _SERVER, *preload],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=dict(env or os.environ),
+                text=True,
+            )  # fmt: skip
+        try:
+            self._read(timeout=600)
+        except BaseException:
+            self.close()
+            raise
 
     def run(
         self,
@@ -115,47 +161,65 @@ class WarmPython:
         path_first: tuple[str, ...] = (),
         timeout: float = 600,
     ) -> subprocess.CompletedProcess:
-        """Run ``argv`` in a fresh fork of the server, as ``python -P ARGV`` would run it.
+        """Run ``argv`` in a fresh fork of the server.
 
         Args:
             argv: as after ``python`` on a command line: ``["-m", module, *args]``,
-                ``["-c", source, *args]`` or ``[script, *args]``.
-            env: the run's whole environment.
+                ``["-c", source, *args]`` or ``[script, *args]``. The working directory is not
+                on ``sys.path`` (as with ``python -P``); a script's own folder is.
+            env: the run's whole environment (plus what the preloaded imports set, as they
+                would have in the run).
             cwd: its working directory.
-            path_first: entries put before ``sys.path`` (as ``PYTHONPATH`` would; the server
-                runs with ``-P``, so the working directory is not on it).
+            path_first: entries put before ``sys.path`` (as ``PYTHONPATH`` would).
             timeout: seconds before the run (with its process group) is killed.
 
         Returns:
             ``CompletedProcess`` with ``returncode`` (``-N`` for signal N), ``stdout`` and ``stderr``.
 
         Raises:
-            subprocess.TimeoutExpired: the run took longer than ``timeout``.
+            RunTimedOut: the run took longer than ``timeout`` (a ``subprocess.TimeoutExpired``).
+            RuntimeError: the server is gone.
         """
-        output, errors = Path(self._scratch.name) / "run.out", Path(self._scratch.name) / "run.err"
-        request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "path_first": list(path_first),
-                   "output": str(output), "errors": str(errors)}  # fmt: skip
-        self._server.stdin.write(json.dumps(request) + "\n")
-        self._server.stdin.flush()
-        pid = self._read(timeout=60)["pid"]
-        try:
-            status = self._read(timeout=timeout)["status"]
-        except subprocess.TimeoutExpired:
-            os.killpg(pid, signal.SIGKILL)
-            self._read(timeout=60)
-            raise
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        return subprocess.CompletedProcess(
-            argv, code, output.read_text(errors="replace"), errors.read_text(errors="replace")
-        )
+        with self._lock:
+            if self._broken:
+                raise RuntimeError(f"the warm Python is unusable: {self._broken}")
+            self._runs += 1
+            output = Path(self._scratch.name) / f"run-{self._runs}.out"
+            errors = output.with_suffix(".err")
+            request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "path_first": list(path_first),
+                       "output": str(output), "errors": str(errors)}  # fmt: skip
+            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.flush()
+            pid = self._read(timeout=60)["pid"]
+            try:
+                status = self._read(timeout=timeout)["status"]
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                try:
+                    self._read(timeout=120)
+                except (subprocess.TimeoutExpired, RuntimeError) as lost:
+                    self._broken = f"a run outlived its kill ({lost})"
+                    self._server.kill()
+                raise RunTimedOut(argv, timeout, _text(output), _text(errors)) from None
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            done = subprocess.CompletedProcess(
+                argv, code, output.read_text(errors="replace"), errors.read_text(errors="replace")
+            )
+            output.unlink()
+            errors.unlink()
+            return done
 
     def close(self) -> None:
-        """Stop the server."""
-        self._server.stdin.close()
+        """Stop the server (a run in progress is killed with it)."""
+        with contextlib.suppress(OSError):
+            self._server.stdin.close()
         try:
             self._server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._server.kill()
+            self._server.wait()
+        self._server.stdout.close()
         self._scratch.cleanup()
 
     def _read(self, timeout: float) -> dict:
@@ -168,7 +232,9 @@ class WarmPython:
                 raise subprocess.TimeoutExpired("warm python", timeout)
             chunk = os.read(fd, 65536)
             if not chunk:
-                raise RuntimeError(f"the warm Python exited ({self._server.wait()})")
+                self._broken = f"it exited ({self._server.wait()})"
+                tail = "\n".join(self._log.read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"the warm Python exited ({self._server.returncode}); its stderr ends:\n{tail}")
             self._lines += chunk
         line, self._lines = self._lines.split(b"\n", 1)
         return json.loads(line)

@@ -197,8 +197,10 @@ def run_under_way(qmc_eval, settings, endpoints, out):
         if path.exists() and len(path.read_text().splitlines()) >= 3 * 8:
             break
         time.sleep(0.2)
-    yield done
-    runner.join(timeout=600)
+    try:
+        yield done
+    finally:  # (also when the body failed: the next test must not meet this run in the warm Python)
+        runner.join(timeout=600)
 
 
 def assert_every_group_once_and_complete(out):
