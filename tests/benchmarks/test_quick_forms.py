@@ -36,7 +36,7 @@ def quick(warm_python, script: str, model_dir: str, env: dict[str, str]) -> subp
     # env: conftest's engine_core_env. No process of its own for the model: a vllm.LLM's engine
     # core runs in the script (it starts in ~3 s, not ~17 s), a server's model in its engine core.
     done = warm_python.run([str(BENCHMARKS / script), "--quick", "--model", model_dir], env=env,
-                           cwd=BENCHMARKS.parent, timeout=900)  # fmt: skip
+                           cwd=BENCHMARKS.parent, timeout=1200)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
