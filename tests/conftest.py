@@ -319,11 +319,32 @@ def hf_model(tiny_model_dir):
 
 
 def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range: a server started a minute
+    later on it does not meet an outgoing connection that took the same number meanwhile
+    (the suite's clients, Ray's workers and vLLM's processes open many)."""
+    import os
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chooser = random.Random(f"{os.getpid()}-{next(_PORT_TRIES)}")  # (per worker: the two pick apart)
+    for _ in range(200):
+        port = chooser.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORT_TRIES = itertools.count()
 
 
 def wait_for_http(url: str, process, timeout: float = 180.0, log: Path | None = None) -> None:
