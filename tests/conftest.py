@@ -525,10 +525,14 @@ def warm_python():
     """One :class:`warm_python.WarmPython` per test worker: a fresh interpreter per run, with
     torch, transformers and vLLM already imported (``tests/warm_python.py``)."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # One module object for the suite (tests/test_warm_python.py loads the same one).
+    module = sys.modules.get("warm_python")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
+        module = sys.modules.setdefault("warm_python", importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(module)
     server = module.WarmPython()
     try:
         yield server
@@ -547,7 +551,7 @@ def run_script(warm_python):
 
     def run(source: str, timeout: float = 300) -> dict:
         env = os.environ | dict([ENGINE_CORE_RUNS_THE_MODEL]) | {"VLLM_CPU_KVCACHE_SPACE": "1"}
-        done = warm_python.run(["-c", textwrap.dedent(source)], env=env, cwd=os.getcwd(), timeout=timeout)
+        done = warm_python.run(["-c", textwrap.dedent(source)], env=env, timeout=timeout)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

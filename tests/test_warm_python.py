@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
-warm_python_module = sys.modules.setdefault("warm_python", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(warm_python_module)
+# The module conftest's warm_python fixture loaded, if it did (one module object for the suite).
+warm_python_module = sys.modules.get("warm_python")
+if warm_python_module is None:
+    _spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
+    warm_python_module = sys.modules.setdefault("warm_python", importlib.util.module_from_spec(_spec))
+    _spec.loader.exec_module(warm_python_module)
 
 
 @pytest.fixture(scope="module")

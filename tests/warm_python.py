@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 #: Imported once by the server: what every run would import again (no qmc_sampler among them).
@@ -156,8 +157,8 @@ class WarmPython:
         self,
         argv: list[str],
         *,
-        env: dict[str, str],
-        cwd: str | Path,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
         path_first: tuple[str, ...] = (),
         timeout: float = 600,
     ) -> subprocess.CompletedProcess:
@@ -168,8 +169,8 @@ class WarmPython:
                 ``["-c", source, *args]`` or ``[script, *args]``. The working directory is not
                 on ``sys.path`` (as with ``python -P``); a script's own folder is.
             env: the run's whole environment (plus what the preloaded imports set, as they
-                would have in the run).
-            cwd: its working directory.
+                would have in the run); by default this process's, as ``subprocess.run``'s.
+            cwd: its working directory; by default this process's.
             path_first: entries put before ``sys.path`` (as ``PYTHONPATH`` would).
             timeout: seconds before the run (with its process group) is killed.
 
@@ -186,7 +187,8 @@ class WarmPython:
             self._runs += 1
             output = Path(self._scratch.name) / f"run-{self._runs}.out"
             errors = output.with_suffix(".err")
-            request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "path_first": list(path_first),
+            request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
+                       "cwd": str(os.getcwd() if cwd is None else cwd), "path_first": list(path_first),
                        "output": str(output), "errors": str(errors)}  # fmt: skip
             self._server.stdin.write(json.dumps(request) + "\n")
             self._server.stdin.flush()

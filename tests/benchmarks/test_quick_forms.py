@@ -3,7 +3,6 @@ built for another CPU, is a red test). The engine benchmarks run on the tiny tes
 point is that each one runs here, not its figures. Each runs as ``python SCRIPT`` in a fresh
 interpreter: a fork of the warm one (``tests/warm_python.py``), torch and vLLM already imported."""
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -17,8 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_the_sampler_benchmark_quick_form_runs_on_this_cpu(warm_python):
-    done = warm_python.run([str(BENCHMARKS / "sampler_bench.py"), "--quick", "--repeats", "1"], env=dict(os.environ),
-                           cwd=BENCHMARKS.parent)  # fmt: skip
+    done = warm_python.run([str(BENCHMARKS / "sampler_bench.py"), "--quick", "--repeats", "1"], cwd=BENCHMARKS.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith("32 ")]
     assert len(rows) == 8, done.stdout  # batch 32 × two vocabularies × four filters
@@ -27,7 +25,7 @@ def test_the_sampler_benchmark_quick_form_runs_on_this_cpu(warm_python):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_sampler_benchmark_on_cuda_refuses_a_machine_without_one(warm_python):
-    done = warm_python.run([str(BENCHMARKS / "sampler_bench.py"), "--device", "cuda"], env=dict(os.environ),
+    done = warm_python.run([str(BENCHMARKS / "sampler_bench.py"), "--device", "cuda"],
                            cwd=BENCHMARKS.parent, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "--device cuda: this machine has no CUDA device" in done.stderr, done.stderr
 
@@ -79,8 +77,7 @@ def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_c
 
 
 def test_the_parked_members_benchmark_quick_form_runs_side_by_side(warm_python):
-    done = warm_python.run([str(BENCHMARKS / "parked_members.py"), "--quick"], env=dict(os.environ),
-                           cwd=BENCHMARKS.parent)  # fmt: skip
+    done = warm_python.run([str(BENCHMARKS / "parked_members.py"), "--quick"], cwd=BENCHMARKS.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "\nCPU: " in "\n" + done.stdout and "parked / with none: hot " in done.stdout, done.stdout
     rows = {r[0]: r for r in (line.split() for line in done.stdout.splitlines()) if r and r[-1].endswith("x")}

@@ -57,11 +57,11 @@ def qmc_eval(warm_python):
     ``cold`` a new process as a user's (what a bad option prints is all a user would see)."""
 
     def run_cli(*args, key=KEY, timeout=600, cold=False):
-        env = os.environ | {"QMC_EVAL_API_KEY": key} if key else dict(os.environ)
+        env = os.environ | {"QMC_EVAL_API_KEY": key} if key else None
         argv = ["-m", "qmc_sampler.eval", "run", "--quiet", *args]
         if cold:
             return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
-        return warm_python.run(argv, env=env, cwd=os.getcwd(), timeout=timeout)
+        return warm_python.run(argv, env=env, timeout=timeout)
 
     return run_cli
 
@@ -153,7 +153,7 @@ def test_the_docs_until_recipe_runs_on_a_served_model_as_in_process(
     assert command.argv[1:4] == ["-m", "qmc_sampler.eval", "run"], command.argv
     done = warm_python.run(
         [*command.argv[1:], *UNTIL_SMALLER, "--endpoint", url_a, "--concurrency", "1", "--quiet"],
-        env=os.environ | {"QMC_EVAL_API_KEY": KEY}, cwd=os.getcwd(),
+        env=os.environ | {"QMC_EVAL_API_KEY": KEY},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "samples to 1 correct (cap 8, rounds of 2)" in done.stdout and "lattice / iid" in done.stdout

@@ -114,7 +114,7 @@ def qmc_eval(*args: str, timeout: float = 900, env: dict[str, str] | None = None
     argv = ["-m", "qmc_sampler.eval", "run", "--quiet", *args]
     env = os.environ | ENGINE_ENV | (env or {})
     if warm is not None:
-        return warm.run(argv, env=env, cwd=os.getcwd(), timeout=timeout)
+        return warm.run(argv, env=env, timeout=timeout)
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -248,7 +248,7 @@ def test_the_readme_ray_data_recipe_gives_one_group_across_replicas_and_one_per_
     done = warm_python.run(
         ["-m", "qmc_sampler.eval.ray_recipe", tiny_model_dir, "--address", ray_cluster,
          "--group-size", "32", "--max-tokens", "96", "--prompts", *prompts],
-        env=os.environ | ENGINE_ENV, cwd=os.getcwd(), timeout=900,
+        env=os.environ | ENGINE_ENV, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"pattern"')]

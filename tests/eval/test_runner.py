@@ -1,7 +1,6 @@
 """``qmc-eval run`` on a real vLLM engine (tiny model): samples, member indices, resume, settings guard."""
 
 import json
-import os
 import sys
 
 import pytest
@@ -137,7 +136,7 @@ def test_the_cli_runs_end_to_end(tiny_model_dir, tmp_path, engine_core_env, docs
         [*run_command.argv[1:], "--n", "4", "--problems", "2", "--model", tiny_model_dir, "--max-tokens", "4",
          "--quiet"],
         env=engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"},  # the model in the CLI's process: ~20 s less
-        cwd=os.getcwd(), timeout=600,
+        timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bound min(1,k·p̂)" in done.stdout

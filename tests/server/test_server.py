@@ -56,8 +56,7 @@ def test_models_health_and_stats(client, base_url):
 def test_every_vllm_serve_option_is_taken(base_url, server_log, warm_python):
     # The fixture's server was started with vLLM's --max-num-seqs and --enable-prefix-caching.
     assert "'max_num_seqs': 32" in server_log.read_text() and "'enable_prefix_caching': True" in server_log.read_text()
-    shown = warm_python.run(["-m", "qmc_sampler.server.main", "--help=all"], env=dict(os.environ), cwd=os.getcwd(),
-                            timeout=120)  # fmt: skip
+    shown = warm_python.run(["-m", "qmc_sampler.server.main", "--help=all"], timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     for option in ("--tensor-parallel-size", "--gpu-memory-utilization", "--quantization", "--enable-lora",
                    "--sampler", "--max-members-in-flight"):  # fmt: skip
