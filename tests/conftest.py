@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,31 +395,35 @@ def engine_core_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_server(command: list[str], log_path, env: dict[str, str] | None = None, timeout: float = 300):
+def running_server(command: list[str], log_path, env: dict[str, str] | None = None, timeout: float = 300, warm=None):
     """Start ``command --port PORT`` on loopback, wait up to ``timeout`` s for ``/health``; yield
     ``(process, base_url)``.
 
     ``env`` (default: this process's) runs the model in the engine-core process unless it sets
     ``VLLM_ENABLE_V1_MULTIPROCESSING``. Its output goes to ``log_path``; on exit the process is
     terminated (if it still runs) and then its whole process group is killed, so no engine process
-    outlives the test.
+    outlives the test. With ``warm`` (a :class:`warm_python.WarmPython`), a ``python -m …`` command
+    starts in a fork of it, its libraries imported (the engine core still starts as vLLM starts it).
     """
     import os
     import signal
     import subprocess
+    import sys
 
     port = free_port()
     env = dict(env or os.environ)
     env.setdefault(*ENGINE_CORE_RUNS_THE_MODEL)
     log = open(log_path, "w")
-    # Its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL.
-    process = subprocess.Popen(
-        [*command, "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    if warm is not None and command[:2] == [sys.executable, "-m"]:
+        process = warm.start([*command[1:], "--port", str(port)], output=log_path, env=env)
+    else:  # its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL
+        process = subprocess.Popen(
+            [*command, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_http(f"{url}/health", process, timeout=timeout, log=Path(log_path))
@@ -436,9 +441,10 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
 
 
 @pytest.fixture(scope="session")
-def serve():
-    """:func:`running_server` as a fixture (a context manager for module-scoped server fixtures)."""
-    return running_server
+def serve(warm_python):
+    """:func:`running_server` as a fixture (a context manager for module-scoped server fixtures),
+    starting ``python -m`` servers in forks of the worker's warm Python."""
+    return functools.partial(running_server, warm=warm_python)
 
 
 LM_EVAL_TASK = """

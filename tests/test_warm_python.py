@@ -102,6 +102,60 @@ def test_a_run_past_its_timeout_is_killed_with_what_it_started_and_the_server_go
     assert light.run(["-c", "print(7)"], env={}, cwd=tmp_path).stdout == "7\n"
 
 
+def test_a_started_run_goes_on_beside_other_runs_until_it_ends_or_is_signalled(light, tmp_path):
+    waits = "import sys, time\nprint('up', flush=True)\nprint('err', file=sys.stderr, flush=True)\ntime.sleep(600)\n"
+    server = light.start(["-c", waits], output=tmp_path / "server.log", cwd=tmp_path)
+    ends = light.start(["-c", "import sys; sys.exit(3)"], output=tmp_path / "ends.log", cwd=tmp_path)
+    assert light.run(["-c", "print(7)"], env={}, cwd=tmp_path).stdout == "7\n"  # the warm Python goes on
+    assert ends.wait(timeout=30) == 3
+    deadline = time.monotonic() + 30
+    while (tmp_path / "server.log").read_text().count("\n") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.poll() is None and sorted((tmp_path / "server.log").read_text().split()) == ["err", "up"]
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.wait(timeout=0.2)
+    server.terminate()
+    assert server.wait(timeout=30) == -signal.SIGTERM and server.returncode == -signal.SIGTERM
+
+
+def test_what_a_started_run_leaves_and_the_run_itself_end_with_the_warm_python(tmp_path):
+    warm = warm_python_module.WarmPython(preload=("json",))
+    pid_file = tmp_path / "child.pid"
+    try:
+        started = warm.start(["-c", spawns_a_sleeper(pid_file, "time.sleep(600)\n")], output=tmp_path / "log")
+        deadline = time.monotonic() + 30
+        while not pid_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        warm.close()
+    assert gone(started.pid) and gone(int(pid_file.read_text()))
+
+
+def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(tmp_path):
+    # A vLLM that configures its logging on import (before 0.32) read the server's environment:
+    # a run that asks for another level gets it, as a fresh process would. (A stand-in package
+    # named vllm: this release of vLLM configures logging when an engine starts, not on import.)
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "logger.py").write_text(
+        "import logging, os\n"
+        "def _configure_vllm_root_logger():\n"
+        "    logger = logging.getLogger('vllm')\n"
+        "    logger.handlers[:] = [logging.StreamHandler()]\n"
+        "    logger.setLevel(os.environ.get('VLLM_LOGGING_LEVEL', 'INFO'))\n"
+        "_configure_vllm_root_logger()\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(fake.parent), "VLLM_LOGGING_LEVEL": "ERROR"}
+    warm = warm_python_module.WarmPython(env=env, preload=("logging", "vllm.logger"))
+    level = "import logging; print(logging.getLevelName(logging.getLogger('vllm').level))"
+    try:
+        assert warm.run(["-c", level], env=env).stdout == "ERROR\n"
+        assert warm.run(["-c", level], env=env | {"VLLM_LOGGING_LEVEL": "DEBUG"}).stdout == "DEBUG\n"
+    finally:
+        warm.close()
+
+
 def test_a_server_that_cannot_start_says_why():
     # qmc_sampler itself must never be preloaded: each run imports its own (a mutant's copy, say).
     with pytest.raises(RuntimeError, match=r"(?s)exited \(1\).*AssertionError: preloaded qmc_sampler"):

@@ -23,14 +23,38 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 #: Imported once by the server: what every run would import again (no qmc_sampler among them).
-PRELOAD = ("numpy", "scipy.stats", "torch", "transformers", "pytest", "hypothesis", "vllm", "vllm.config")
+PRELOAD = (
+    "numpy",
+    "scipy.stats",
+    "torch",
+    "transformers",
+    "pytest",
+    "hypothesis",
+    "vllm",
+    "vllm.config",
+    "vllm.entrypoints.openai.api_server",
+)
+
+#: What vLLM's logging reads from the environment: a release that configures it on import
+#: configures it again in a run whose environment says otherwise.
+LOGGING_ENV = (
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "VLLM_LOGGING_STREAM",
+    "VLLM_LOGGING_COLOR",
+    "NO_COLOR",
+    "FORCE_COLOR",
+)
 
 _SERVER = r"""
-import importlib, json, os, runpy, sys, threading, traceback, types
+import importlib, json, os, runpy, signal, sys, threading, traceback, types
+LOGGING_ENV = LOGGING_ENV_NAMES
 # The protocol gets a descriptor of its own; what the preloaded libraries print goes to stderr.
 protocol = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
@@ -47,9 +71,29 @@ assert not any(m == "qmc_sampler" or m.startswith("qmc_sampler.") for m in sys.m
 # What the imports set in the environment (vLLM's env_override, say): each run gets it too, as
 # a fresh process that imported them would.
 set_by_imports = {k: v for k, v in os.environ.items() if environment_before.get(k) != v}
+# A vLLM that configures its logging on import (before 0.32) did so from the server's environment.
+logging_set_on_import = bool(sys.modules["logging"].getLogger("vllm").handlers) if "logging" in sys.modules else False
 base_path = list(sys.path)
 sys.stdout.flush()
 sys.stderr.flush()
+# Started runs (pid: the file its wait status goes to), reaped as they end.
+started = {}
+
+
+def reap(*_, block=False):
+    for child, status_path in list(started.items()):
+        try:
+            done, status = os.waitpid(child, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            done, status = child, 255 << 8
+        if done:
+            del started[child]
+            with open(status_path + ".part", "w") as f:
+                f.write(str(status))
+            os.replace(status_path + ".part", status_path)
+
+
+signal.signal(signal.SIGCHLD, reap)
 print(json.dumps({"ready": os.getpid()}), file=protocol, flush=True)
 for line in sys.stdin:
     request = json.loads(line)
@@ -59,10 +103,12 @@ for line in sys.stdin:
     if pid == 0:  # the child: becomes the run, and ends as Python ends
         code = 1
         try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             protocol.close()
             os.setpgid(0, 0)  # its own group: it is killed with whatever it started
             out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            err = os.open(request["errors"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            errors = request["errors"]  # (none: stderr into the same file, as stderr=STDOUT)
+            err = os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if errors else os.dup(out)
             devnull = os.open(os.devnull, os.O_RDONLY)
             for source, target in ((devnull, 0), (out, 1), (err, 2)):
                 os.dup2(source, target)
@@ -71,6 +117,8 @@ for line in sys.stdin:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(set_by_imports | request["env"])
+            if logging_set_on_import and any(environment_before.get(k) != os.environ.get(k) for k in LOGGING_ENV):
+                sys.modules["vllm.logger"]._configure_vllm_root_logger()
             sys.path[:] = [*request["path_first"], *base_path]
             argv = request["argv"]
             if argv[0] == "-m":
@@ -100,13 +148,24 @@ for line in sys.stdin:
     except OSError:
         pass
     print(json.dumps({"pid": pid}), file=protocol, flush=True)
+    if request.get("status"):  # started: it runs on while the server takes the next request
+        started[pid] = request["status"]
+        reap()
+        continue
     _, status = os.waitpid(pid, 0)
     try:
         os.killpg(pid, 9)  # what the run left running (a real process's leftovers would hold its pipes)
     except ProcessLookupError:
         pass
     print(json.dumps({"status": status}), file=protocol, flush=True)
-"""
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+for child in list(started):  # the server's end is theirs too: none outlives it
+    try:
+        os.killpg(child, 9)
+    except ProcessLookupError:
+        pass
+reap(block=True)
+""".replace("LOGGING_ENV_NAMES", repr(LOGGING_ENV))
 
 
 class RunTimedOut(subprocess.TimeoutExpired):
@@ -116,6 +175,43 @@ class RunTimedOut(subprocess.TimeoutExpired):
         tails = [f"{name} ends:\n" + "\n".join(text.splitlines()[-20:]) for name, text in
                  (("its stdout", self.stdout or ""), ("its stderr", self.stderr or "")) if text]  # fmt: skip
         return "; ".join([super().__str__(), *tails])
+
+
+class WarmProcess:
+    """A run :meth:`WarmPython.start` started: what a test uses of ``subprocess.Popen`` (the warm
+    Python, its parent, reaps it and writes its wait status to ``status``)."""
+
+    def __init__(self, args: list[str], pid: int, status: Path) -> None:
+        self.args, self.pid, self._status = args, pid, status
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code (``-N`` for signal N) once it has ended, else None."""
+        if self.returncode is None and self._status.is_file():
+            status = int(self._status.read_text())
+            self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for its end; raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Signal it, unless it has ended (its pid may be another process's by then)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _text(path: Path) -> str:
@@ -212,8 +308,42 @@ class WarmPython:
             errors.unlink()
             return done
 
+    def start(
+        self,
+        argv: list[str],
+        *,
+        output: str | Path,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> WarmProcess:
+        """Start ``argv`` in a fresh fork of the server and return at once, as ``subprocess.Popen``
+        does: for a server a test talks to while it runs (the warm Python goes on taking runs).
+
+        Args:
+            argv, env, cwd: as for :meth:`run`.
+            output: the file its stdout and stderr both go to (truncated first).
+
+        Returns:
+            :class:`WarmProcess`: its pid (also its process group's), ``poll``, ``wait`` and signals.
+            Whatever of it is still running when the warm Python closes is killed then.
+
+        Raises:
+            RuntimeError: the server is gone.
+        """
+        with self._lock:
+            if self._broken:
+                raise RuntimeError(f"the warm Python is unusable: {self._broken}")
+            self._runs += 1
+            status = Path(self._scratch.name) / f"run-{self._runs}.status"
+            request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
+                       "cwd": str(os.getcwd() if cwd is None else cwd), "path_first": [],
+                       "output": str(output), "errors": None, "status": str(status)}  # fmt: skip
+            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.flush()
+            return WarmProcess(list(argv), self._read(timeout=60)["pid"], status)
+
     def close(self) -> None:
-        """Stop the server (a run in progress is killed with it)."""
+        """Stop the server (a run in progress is killed with it, and so is every started one)."""
         with contextlib.suppress(OSError):
             self._server.stdin.close()
         try:
