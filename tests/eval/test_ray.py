@@ -195,13 +195,13 @@ def kill_process_tree(pid: int) -> list[int]:
 def test_killing_a_replica_mid_run_loses_no_member_and_writes_none_twice(
     ray_cluster, engine_env, tiny_model_dir, tmp_path
 ):
-    # One batch of 8 members at a time per replica, 32 batches of 96 tokens: a replica killed once
+    # One batch of 8 members at a time per replica, 16 batches of 64 tokens: a replica killed once
     # the first group is written still has batches in flight and queued, which Ray retries on its
     # restarted actor.
     backend = RayBackend(tiny_model_dir, replicas=2, batch_size=8, max_concurrent_batches=1)
     config = RunConfig(
-        task="basic_arithmetic", samplers=("iid", "lattice"), n=8, groups=1, problems=16, out=str(tmp_path / "k"),
-        model=tiny_model_dir, max_tokens=96, temperature=1.5,
+        task="basic_arithmetic", samplers=("iid", "lattice"), n=8, groups=1, problems=8, out=str(tmp_path / "k"),
+        model=tiny_model_dir, max_tokens=64, temperature=1.5,
     )  # fmt: skip
     outcome: dict = {}
 
@@ -226,28 +226,28 @@ def test_killing_a_replica_mid_run_loses_no_member_and_writes_none_twice(
     assert not runner.is_alive() and "error" not in outcome, outcome
     records = read_samples(samples)
     keys = member_keys(records)
-    assert len(keys) == len(set(keys)) == 2 * 16 * 8  # every member once: none lost, none written twice
+    assert len(keys) == len(set(keys)) == 2 * 8 * 8  # every member once: none lost, none written twice
     groups = Counter(k[:3] for k in keys)
-    assert set(groups.values()) == {8} and len(groups) == 2 * 16
+    assert set(groups.values()) == {8} and len(groups) == 2 * 8
     assert {r["finish_reason"] for r in records} <= {"stop", "length"}
     import ray
 
     restarted = ray._private.state.actors(actor_id=victim["ActorID"])
     assert restarted["NumRestarts"] >= 1  # Ray restarted the killed replica...
     # ...and its lost batches ran again there: both replicas and the restarted engine served rows.
-    assert len(backend.engine_rows) >= 3 and sum(backend.engine_rows) == 2 * 16 * 8, backend.engine_rows
+    assert len(backend.engine_rows) >= 3 and sum(backend.engine_rows) == 2 * 8 * 8, backend.engine_rows
 
 
 def test_the_readme_ray_data_recipe_gives_one_group_across_replicas_and_one_per_replica(
     ray_cluster, tiny_model_dir, tokenizer, first_token_probs, warm_python
 ):
     # eval/ray_recipe.py is the recipe the README shows, run as it is (on the tiny model's prompts).
-    # 32 members of 96 tokens in batches of 4: a batch outlasts the arrival of the next, so the
+    # 32 members of 48 tokens in batches of 4: a batch outlasts the arrival of the next, so the
     # explicit group's batches spread over both replicas.
     prompts = ["the quick brown", "sphinx of black quartz"]
     done = warm_python.run(
         ["-m", "qmc_sampler.eval.ray_recipe", tiny_model_dir, "--address", ray_cluster,
-         "--group-size", "32", "--max-tokens", "96", "--prompts", *prompts],
+         "--group-size", "32", "--max-tokens", "48", "--prompts", *prompts],
         env=os.environ | ENGINE_ENV, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -305,20 +305,19 @@ def test_without_a_model_the_default_one_is_found_once_the_cluster_is_checked(ra
 
 
 def test_ray_serve_llm_with_the_drop_in_serves_balanced_groups_on_cpu(
-    ray_cluster, tiny_model_dir, tokenizer, first_token_probs, http_helpers, lm_eval_repeats, tmp_path
+    ray_cluster, tiny_model_dir, tokenizer, first_token_probs, http_helpers, lm_eval_repeats, tmp_path, warm_python
 ):
     # eval/ray_serve_recipe.py, the docs' Ray Serve LLM recipe, on this cluster: CPU replicas
-    # (accelerator_config kind "cpu"), QMC_SAMPLER=lattice in their environment.
+    # (accelerator_config kind "cpu"), QMC_SAMPLER=lattice in their environment. Its driver is a
+    # fork of the warm Python (torch and vLLM imported); the replicas are Ray's own processes.
     import httpx
     from ray import serve
 
     free_port, wait_for_http = http_helpers
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "qmc_sampler.eval.ray_serve_recipe", tiny_model_dir, "--address", ray_cluster,
-         "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | ENGINE_ENV,
+    server = warm_python.start(
+        ["-m", "qmc_sampler.eval.ray_serve_recipe", tiny_model_dir, "--address", ray_cluster, "--port", str(port)],
+        output=tmp_path / "serve.log", env=os.environ | ENGINE_ENV,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
@@ -338,7 +337,6 @@ def test_ray_serve_llm_with_the_drop_in_serves_balanced_groups_on_cpu(
         except subprocess.TimeoutExpired:
             server.kill()
         serve.shutdown()  # whatever of Serve is left on the module's cluster
-        log.close()
 
 
 def test_the_docs_ray_recipes_are_the_files_these_tests_run(docs):
