@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qmc_sampler.eval.tasks import Problem, Task, Verdict, positive_option
-from qmc_sampler.eval.verifiers import load_verifier
+from qmc_sampler.eval.verifiers import load_verifier, numeric_answer
 
 __all__ = ["JsonlTask", "TaskFileError"]
 
@@ -50,7 +50,7 @@ class JsonlTask(Task):
         self.verify = load_verifier(verifier)
         self.max_tokens = positive_option("max_tokens", max_tokens)
         self.stop = ("</answer>",) if verifier in ("answer_tag", "numeric") else ()
-        self._rows = _read(self.path)
+        self._rows = _read(self.path, numeric=verifier == "numeric")
 
     def problems(self, count: int, seed: int) -> list[Problem]:
         """The first ``count`` problems of the file (all of them if it has fewer)."""
@@ -69,7 +69,9 @@ class JsonlTask(Task):
         return Verdict.passed() if result else Verdict.failed("wrong_answer")
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def _read(path: Path, numeric: bool) -> list[dict[str, Any]]:
+    # numeric: every answer must hold a number (verifier 'numeric'), refused here rather than
+    # when a sample is scored, after minutes of generation.
     if not path.is_file():
         raise TaskFileError(f"{path}: no such task file")
     rows: list[dict[str, Any]] = []
@@ -85,6 +87,12 @@ def _read(path: Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise TaskFileError(f"{where}: expected a JSON object with 'prompt' or 'messages' and 'answer'")
         _check_row(row, where)
+        if numeric:
+            try:
+                numeric_answer(str(row["answer"]))
+            except ValueError:
+                message = f"{where}: field 'answer'={row['answer']!r} holds no number (verifier 'numeric')"
+                raise TaskFileError(message) from None
         row.setdefault("id", len(rows))
         if row["id"] in seen:
             raise TaskFileError(f"{where}: field 'id'={row['id']!r} repeats line {seen[row['id']]}")

@@ -34,7 +34,7 @@ from typing import Any
 
 from qmc_sampler.eval.tasks import Verdict, extract_answer
 
-__all__ = ["ENTRY_POINT_GROUP", "VERIFIERS", "Verifier", "load_verifier", "normalize"]
+__all__ = ["ENTRY_POINT_GROUP", "VERIFIERS", "Verifier", "load_verifier", "normalize", "numeric_answer"]
 
 ENTRY_POINT_GROUP = "qmc_sampler.verifiers"
 Verifier = Callable[[str, str, dict[str, Any]], "bool | Verdict"]
@@ -76,10 +76,20 @@ def numeric(completion: str, answer: str, problem: dict[str, Any]) -> Verdict:
     got = _number(tagged if tagged is not None else completion)
     if got is None:
         return Verdict.failed("no_answer")
+    want = numeric_answer(answer)
+    return Verdict.passed() if math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) else Verdict.failed("wrong_answer")
+
+
+def numeric_answer(answer: str) -> float:
+    """The reference number of an answer for :func:`numeric` (its last number, as in a completion).
+
+    Raises:
+        ValueError: the answer holds no number.
+    """
     want = _number(answer)
     if want is None:
         raise ValueError(f"answer {answer!r} is not a number (verifier 'numeric')")
-    return Verdict.passed() if math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) else Verdict.failed("wrong_answer")
+    return want
 
 
 def regex(completion: str, answer: str, problem: dict[str, Any]) -> Verdict:

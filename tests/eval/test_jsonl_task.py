@@ -88,6 +88,14 @@ def test_a_bad_line_names_the_line_and_the_field(tmp_path, line, message):
         JsonlTask(str(write(tmp_path, [line])))
 
 
+def test_an_answer_without_a_number_is_refused_for_the_numeric_verifier_before_any_sample(tmp_path):
+    rows = [{"prompt": "x", "answer": 42}, {"prompt": "y", "answer": " $1,024.5 "}, {"prompt": "z", "answer": "Paris"}]
+    with pytest.raises(TaskFileError, match=r":3: field 'answer'='Paris' holds no number \(verifier 'numeric'\)"):
+        JsonlTask(str(write(tmp_path, rows)), verifier="numeric")
+    task = JsonlTask(str(write(tmp_path, rows)))  # any answer suits the default verifier
+    assert [p.reference for p in task.problems(3, 0)] == ["42", " $1,024.5 ", "Paris"]
+
+
 def test_repeated_ids_and_empty_files_are_refused(tmp_path):
     with pytest.raises(TaskFileError, match=r":2: field 'id'='a' repeats line 1"):
         JsonlTask(
