@@ -441,10 +441,10 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
 
 
 @pytest.fixture(scope="session")
-def serve(warm_python):
+def serve(warm_server_python):
     """:func:`running_server` as a fixture (a context manager for module-scoped server fixtures),
-    starting ``python -m`` servers in forks of the worker's warm Python."""
-    return functools.partial(running_server, warm=warm_python)
+    starting ``python -m`` servers in forks of the worker's warm Python for servers."""
+    return functools.partial(running_server, warm=warm_server_python)
 
 
 LM_EVAL_TASK = """
@@ -530,20 +530,36 @@ def lm_eval_repeats():
 def warm_python():
     """One :class:`warm_python.WarmPython` per test worker: a fresh interpreter per run, with
     torch, transformers and vLLM already imported (``tests/warm_python.py``)."""
+    server = warm_python_module().WarmPython()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def warm_server_python():
+    """The same for the servers the worker starts (:func:`serve`), vLLM's OpenAI server imported
+    too; made when a module first starts a server (a mutant's pytest, say, never does)."""
+    module = warm_python_module()
+    server = module.WarmPython(preload=module.SERVER_PRELOAD)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def warm_python_module():
+    """``tests/warm_python.py``, one module object for the suite (tests/test_warm_python.py loads the same)."""
     import importlib.util
     import sys
 
-    # One module object for the suite (tests/test_warm_python.py loads the same one).
     module = sys.modules.get("warm_python")
     if module is None:
         spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
         module = sys.modules.setdefault("warm_python", importlib.util.module_from_spec(spec))
         spec.loader.exec_module(module)
-    server = module.WarmPython()
-    try:
-        yield server
-    finally:
-        server.close()
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -37,8 +37,9 @@ PRELOAD = (
     "hypothesis",
     "vllm",
     "vllm.config",
-    "vllm.entrypoints.openai.api_server",
 )
+#: What a Python that starts vLLM's OpenAI servers imports besides.
+SERVER_PRELOAD = (*PRELOAD, "vllm.entrypoints.openai.api_server")
 
 #: What vLLM's logging reads from the environment: a release that configures it on import
 #: configures it again in a run whose environment says otherwise.
@@ -278,17 +279,9 @@ class WarmPython:
             RuntimeError: the server is gone.
         """
         with self._lock:
-            if self._broken:
-                raise RuntimeError(f"the warm Python is unusable: {self._broken}")
-            self._runs += 1
-            output = Path(self._scratch.name) / f"run-{self._runs}.out"
+            output = self._scratch_file(".out")
             errors = output.with_suffix(".err")
-            request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
-                       "cwd": str(os.getcwd() if cwd is None else cwd), "path_first": list(path_first),
-                       "output": str(output), "errors": str(errors)}  # fmt: skip
-            self._server.stdin.write(json.dumps(request) + "\n")
-            self._server.stdin.flush()
-            pid = self._read(timeout=60)["pid"]
+            pid = self._fork(argv, env, cwd, path_first, output=str(output), errors=str(errors))
             try:
                 status = self._read(timeout=timeout)["status"]
             except subprocess.TimeoutExpired:
@@ -331,16 +324,9 @@ class WarmPython:
             RuntimeError: the server is gone.
         """
         with self._lock:
-            if self._broken:
-                raise RuntimeError(f"the warm Python is unusable: {self._broken}")
-            self._runs += 1
-            status = Path(self._scratch.name) / f"run-{self._runs}.status"
-            request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
-                       "cwd": str(os.getcwd() if cwd is None else cwd), "path_first": [],
-                       "output": str(output), "errors": None, "status": str(status)}  # fmt: skip
-            self._server.stdin.write(json.dumps(request) + "\n")
-            self._server.stdin.flush()
-            return WarmProcess(list(argv), self._read(timeout=60)["pid"], status)
+            status = self._scratch_file(".status")
+            pid = self._fork(argv, env, cwd, (), output=str(output), errors=None, status=str(status))
+            return WarmProcess(list(argv), pid, status)
 
     def close(self) -> None:
         """Stop the server (a run in progress is killed with it, and so is every started one)."""
@@ -353,6 +339,22 @@ class WarmPython:
             self._server.wait()
         self._server.stdout.close()
         self._scratch.cleanup()
+
+    def _scratch_file(self, suffix: str) -> Path:
+        self._runs += 1
+        return Path(self._scratch.name) / f"run-{self._runs}{suffix}"
+
+    def _fork(self, argv, env, cwd, path_first, **files: str | None) -> int:
+        """Send the server one run (the lock held): its pid once forked. ``files``: ``output``,
+        ``errors`` (None: into ``output``) and, for a started run, ``status``."""
+        if self._broken:
+            raise RuntimeError(f"the warm Python is unusable: {self._broken}")
+        request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
+                   "cwd": str(os.getcwd() if cwd is None else cwd), "path_first": list(path_first),
+                   **files}  # fmt: skip
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        return self._read(timeout=60)["pid"]
 
     def _read(self, timeout: float) -> dict:
         # The server's lines read off its pipe's descriptor: a buffered readline could hold the

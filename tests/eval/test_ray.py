@@ -242,12 +242,12 @@ def test_the_readme_ray_data_recipe_gives_one_group_across_replicas_and_one_per_
     ray_cluster, tiny_model_dir, tokenizer, first_token_probs, warm_python
 ):
     # eval/ray_recipe.py is the recipe the README shows, run as it is (on the tiny model's prompts).
-    # 32 members of 48 tokens in batches of 4: a batch outlasts the arrival of the next, so the
+    # 32 members of 96 tokens in batches of 4: a batch outlasts the arrival of the next, so the
     # explicit group's batches spread over both replicas.
     prompts = ["the quick brown", "sphinx of black quartz"]
     done = warm_python.run(
         ["-m", "qmc_sampler.eval.ray_recipe", tiny_model_dir, "--address", ray_cluster,
-         "--group-size", "32", "--max-tokens", "48", "--prompts", *prompts],
+         "--group-size", "32", "--max-tokens", "96", "--prompts", *prompts],
         env=os.environ | ENGINE_ENV, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
