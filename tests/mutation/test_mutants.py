@@ -38,8 +38,8 @@ MUTANTS = [
     Mutant(
         "carry without the division by q(y)",
         "qmc_sampler/group.py",
-        "state.code = min(max((uniform - start) / prob, 0.0), math.nextafter(1.0, 0.0))",
-        "state.code = min(max((uniform - start), 0.0), math.nextafter(1.0, 0.0))",
+        "code = ((uniform - start) / prob).clamp(0.0, math.nextafter(1.0, 0.0))",
+        "code = (uniform - start).clamp(0.0, math.nextafter(1.0, 0.0))",
         ("tests/core/test_exactness.py::test_long_carries_stay_exact",),
     ),
     Mutant(
@@ -47,15 +47,15 @@ MUTANTS = [
         # bug: it is still uniform and the design stays exact, so it is not listed.)
         "the code is not carried (u reused as it is)",
         "qmc_sampler/group.py",
-        "state.code = min(max((uniform - start) / prob, 0.0), math.nextafter(1.0, 0.0))",
-        "state.code = min(max(uniform, 0.0), math.nextafter(1.0, 0.0))",
+        "code = ((uniform - start) / prob).clamp(0.0, math.nextafter(1.0, 0.0))",
+        "code = uniform.clamp(0.0, math.nextafter(1.0, 0.0))",
         ("tests/core/test_lattice.py",),
     ),
     Mutant(
         "prefix width never shrinks (no switch to fresh uniforms)",
         "qmc_sampler/group.py",
-        "    state.width *= prob\n",
-        "    state.width *= 1.0\n",
+        "    width = width * prob\n",
+        "    width = width * 1.0\n",
         ("tests/core/test_precision.py::test_deep_steps_follow_the_model",),
     ),
     Mutant(
