@@ -46,12 +46,11 @@ gpu-check:
 # `make compat VLLM=0.29.0`. A release joins CI as one word in .ci/run's COMPAT_VLLM.
 VLLM ?= 0.31.0
 COMPAT_VENV := .venv-vllm-$(VLLM)
-# Everything that meets vLLM; the model-based grouping test and the request fuzzer test our own code,
-# the same on every release (the main suite runs them). The data-parallel server is not yet run on
-# other releases (docs/serving.md, "vLLM versions").
+# Everything that meets vLLM; the request fuzzer tests our own code, the same on every release (the
+# main suite runs it, as it runs tests/members). The data-parallel server is not yet run on other
+# releases (docs/serving.md, "vLLM versions").
 COMPAT_TESTS := tests/test_compat.py tests/vllm_plugin tests/server tests/integrations/test_trl.py \
-	--ignore=tests/vllm_plugin/test_grouping_model.py --ignore=tests/server/test_fuzz.py \
-	--ignore=tests/server/test_data_parallel.py
+	--ignore=tests/server/test_fuzz.py --ignore=tests/server/test_data_parallel.py
 
 $(COMPAT_VENV)/.qmc-installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(COMPAT_VENV)

@@ -52,7 +52,7 @@ class Workload:
 
 
 def make_registry(per_key: int | None):
-    from qmc_sampler.vllm_plugin.registry import MemberRegistry
+    from qmc_sampler.members import MemberRegistry
 
     if per_key is not None and "max_parked_per_key" in MemberRegistry.__dataclass_fields__:
         return MemberRegistry(max_parked_per_key=per_key)
@@ -61,13 +61,12 @@ def make_registry(per_key: int | None):
 
 def fill(registry, count: int, keys: list[str], rng: random.Random) -> None:
     """Park ``count`` members round-robin over ``keys``, each with a random history of 1 to 32 tokens."""
-    from qmc_sampler.vllm_plugin.registry import RowSampling
-    from qmc_sampler.vllm_plugin.request_args import REQUEST, QMCRequest
+    from qmc_sampler.members import REQUEST, GroupArgs, RowSampling
 
     plain = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     for i in range(count):
         output = [rng.randrange(256) for _ in range(rng.randint(1, 32))]
-        member = registry.admit(QMCRequest(REQUEST, "lattice", "id", 1, 1 << 30, f"fill:{i}"), plain, [1], output)
+        member = registry.admit(GroupArgs(REQUEST, "lattice", "id", 1, 1 << 30, f"fill:{i}"), plain, [1], output)
         member.group_key = keys[i % len(keys)]  # filed under the target key when parked
         registry.park(member)
 
@@ -77,12 +76,12 @@ class Step:
 
     def __init__(self, rows: int, vocab: int) -> None:
         import torch
-        from qmc_sampler.vllm_plugin.registry import RowSampling
-        from qmc_sampler.vllm_plugin.request_args import REQUEST, QMCRequest
+
+        from qmc_sampler.members import REQUEST, GroupArgs, RowSampling
 
         self.torch = torch
         self.rows = rows
-        self.request = QMCRequest(REQUEST, "lattice", "id", 7, 1 << 30, "hot")
+        self.request = GroupArgs(REQUEST, "lattice", "id", 7, 1 << 30, "hot")
         self.sampling = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         self.logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
         self.temperature = torch.ones(rows)

@@ -20,10 +20,11 @@ the distribution HF would sample from. It
    draw from HF's own processed distribution (``../shared/design/qmc-math.md`` §1, §3).
 
 No host reads after the first step. The members' carried state (code, prefix width,
-fresh flag, the step's draw) lives on the scores' device, in the vLLM plugin's
-:class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`: each row is admitted at the
-first step as a member of an *explicit* group (the forcer names the group, its size,
-seed and the member index), and every step is that registry's draw cycle — the host
+fresh flag, the step's draw) lives on the scores' device, in a
+:class:`~qmc_sampler.members.registry.MemberRegistry` (the machinery the vLLM plugin uses
+too): each row is admitted at the first step as a member of an *explicit* group (the
+forcer names the group, its size, seed and the member index), and every step is that
+registry's draw cycle — the host
 supplies only the counter-based uniforms (they depend on seed, member and step), the
 device draws, forces and carries. The first step may read the prompts (placement is a
 host decision: a forcer without ``prompt_keys`` hashes the decoder ids) and moves the
@@ -50,12 +51,12 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
-from qmc_sampler.vllm_plugin.registry import DevicePool, Member, MemberRegistry, RowSampling, upload
-from qmc_sampler.vllm_plugin.request_args import EXPLICIT, QMCRequest
 
 from qmc_sampler.counter_rng import Purpose, counter_seed
 from qmc_sampler.designs import get_design
 from qmc_sampler.group import GroupSpec
+from qmc_sampler.kernels import upload
+from qmc_sampler.members import EXPLICIT, DevicePool, GroupArgs, Member, MemberRegistry, RowSampling
 
 __all__ = ["ForcerStats", "GroupRecord", "QMCForcer", "member_order"]
 
@@ -115,7 +116,7 @@ class _DeviceCarry:
     """One generate call's members and what the device keeps of them (made at the first step).
 
     Attributes:
-        registry: the members' :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`; its
+        registry: the members' :class:`~qmc_sampler.members.registry.MemberRegistry`; its
             pool (code, width, fresh flag, the step's draw) lives on the scores' device.
         members: batch row → its member.
         slots: ``[rows] int64`` on the device, each row's pool row.
@@ -283,7 +284,7 @@ class QMCForcer:
             order = member_order(self.method, blocks)
             seed = counter_seed(self.seed, Purpose.GROUP_SEED, g, 0)
             # An explicit group: this forcer names its size, seed and every member index.
-            request = QMCRequest(EXPLICIT, self.method, self.order, seed, len(order), group=f"hf:{g}")
+            request = GroupArgs(EXPLICIT, self.method, self.order, seed, len(order), group=f"hf:{g}")
             for i, row in enumerate(order):
                 members[row] = registry.admit(dataclasses.replace(request, index=i), _AS_GIVEN, (), ())
             self._placed.append((members[order[0]].state.spec, tuple(order)))  # type: ignore[union-attr]

@@ -30,7 +30,7 @@ import torch
 from qmc_sampler.counter_rng import Purpose, counter_uniform, seed_to_u64
 from qmc_sampler.designs import DESIGNS, get_design
 from qmc_sampler.inverse_cdf import ORDERS, Draw
-from qmc_sampler.kernels import fused_draw
+from qmc_sampler.kernels import draw_by_order
 from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN
 
 __all__ = [
@@ -38,7 +38,10 @@ __all__ = [
     "PRECISION_FLOOR",
     "GroupSpec",
     "MemberState",
+    "alone_width",
+    "carry_codes",
     "carry_member",
+    "carry_members",
     "draw_members",
     "member_uniforms",
     "sample_members",
@@ -161,25 +164,73 @@ def carry_member(state: MemberState, uniform: float, start: float, prob: float) 
         state: the member; updated in place.
         uniform: the u it drew with; ``start``, ``prob``: the token's CDF interval.
     """
-    state.step += 1
-    design = get_design(state.spec.method)
-    if not design.carries or state.fresh:
+    carry_members([state], np.array([uniform]), np.array([start]), np.array([prob]))
+
+
+def carry_members(states: Sequence[MemberState], uniforms: np.ndarray, starts: np.ndarray, probs: np.ndarray) -> None:
+    """Carry a batch of members past their accepted draws (:func:`carry_codes` for the code designs).
+
+    Args:
+        states: the members; updated in place (step + 1; code, width and fresh for a member
+            of a code design that is not fresh yet).
+        uniforms, starts, probs: ``[len(states)] float64``, each member's u and its token's CDF interval.
+    """
+    carrying = []
+    for j, s in enumerate(states):
+        s.step += 1
+        if get_design(s.spec.method).carries and not s.fresh:
+            carrying.append(j)
+    if not carrying:
         return
-    # Rounding can push the quotient to 1.0 (or a hair below 0); the interval is
-    # half-open, so clamp into [0, 1).
-    state.code = min(max((uniform - start) / prob, 0.0), math.nextafter(1.0, 0.0))
-    state.width *= prob
-    alone = float(design.alone_widths(np.array([state.spec.n]))[0])
-    if state.width < max(alone, PRECISION_FLOOR):
-        state.fresh = True
+    rows = np.array(carrying)
+    u, start, prob = (torch.from_numpy(np.asarray(a, dtype=np.float64)[rows]) for a in (uniforms, starts, probs))
+    width = torch.tensor([states[j].width for j in carrying], dtype=torch.float64)
+    alone = torch.tensor([alone_width(states[j].spec) for j in carrying], dtype=torch.float64)
+    codes, widths, alone_now = carry_codes(u, start, prob, width, alone)
+    for j, code, w, alone_from_now in zip(carrying, codes.tolist(), widths.tolist(), alone_now.tolist(), strict=True):
+        s = states[j]
+        s.code, s.width = code, w
+        if alone_from_now:
+            s.fresh = True
+
+
+def carry_codes(
+    uniform: torch.Tensor, start: torch.Tensor, prob: torch.Tensor, width: torch.Tensor, alone: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual carry of accepted draws, row by row: the one implementation of the host's and the device's.
+
+    u ← (u − F(y⁻)) / q(y) and W ← W·q(y); the member is *alone* from now on once W falls
+    below its alone width (``../shared/design/qmc-math.md`` §2).
+
+    Args:
+        uniform: ``[rows] float64``, the u each row drew with.
+        start, prob: ``[rows] float64``, the drawn token's CDF interval F(y⁻) and q(y).
+        width: ``[rows] float64``, the prefix width W before the draw.
+        alone: ``[rows] float64``, each row's :func:`alone_width`.
+
+    Returns:
+        ``(code, width, alone_now)``: ``[rows] float64`` codes in [0, 1), ``[rows] float64``
+        widths, and ``[rows] bool``, True where the member continues with fresh uniforms. On
+        the inputs' device; nothing is modified in place.
+    """
+    # Rounding can push the quotient to 1.0 (or a hair below 0): the interval is half-open.
+    code = ((uniform - start) / prob).clamp(0.0, math.nextafter(1.0, 0.0))
+    width = width * prob
+    return code, width, width < alone
+
+
+def alone_width(spec: GroupSpec) -> float:
+    """The prefix width below which a member of ``spec`` continues with fresh uniforms.
+
+    Returns:
+        Its design's alone width for ``spec.n``, or :data:`PRECISION_FLOOR` where that is larger.
+    """
+    return max(float(get_design(spec.method).alone_widths(np.array([spec.n]))[0]), PRECISION_FLOOR)
 
 
 def advance(states: Sequence[MemberState], draw: Draw, uniforms: np.ndarray) -> None:
-    """Carry every member of a batch past its draw (see :func:`carry_member`)."""
-    starts = draw.starts.cpu().numpy()
-    probs = draw.probs.cpu().numpy()
-    for j, s in enumerate(states):
-        carry_member(s, float(uniforms[j]), float(starts[j]), float(probs[j]))
+    """Carry every member of a batch past its draw (see :func:`carry_members`)."""
+    carry_members(states, uniforms, draw.starts.cpu().numpy(), draw.probs.cpu().numpy())
 
 
 def draw_members(
@@ -199,30 +250,8 @@ def draw_members(
         the :class:`Draw` and the ``[batch] float64`` uniforms used.
     """
     uniforms = member_uniforms(states)
-    u = torch.from_numpy(uniforms)
-    orders = {s.spec.order for s in states}
-    if len(orders) == 1:
-        return fused_draw(logits, u, temperature, top_k, top_p, min_p, orders.pop()), uniforms
-    tokens = torch.empty(len(states), dtype=torch.int64, device=logits.device)
-    starts = torch.empty(len(states), dtype=torch.float64, device=logits.device)
-    probs = torch.empty_like(starts)
-    for order in orders:
-        rows = torch.tensor([j for j, s in enumerate(states) if s.spec.order == order], device=logits.device)
-        part = fused_draw(
-            logits[rows],
-            u[rows.cpu()],
-            temperature[rows.cpu()],
-            None if top_k is None else top_k[rows.cpu()],
-            None if top_p is None else top_p[rows.cpu()],
-            None if min_p is None else min_p[rows.cpu()],
-            order,
-        )
-        tokens[rows], starts[rows], probs[rows] = (
-            part.tokens.to(tokens.device),
-            part.starts.to(starts.device),
-            part.probs.to(probs.device),
-        )
-    return Draw(tokens=tokens, starts=starts, probs=probs), uniforms
+    orders = [s.spec.order for s in states]
+    return draw_by_order(logits, orders, torch.from_numpy(uniforms), temperature, top_k, top_p, min_p), uniforms
 
 
 def sample_members(

@@ -26,14 +26,16 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from qmc_sampler.inverse_cdf import Draw, inverse_cdf, reject_bad_rows
 from qmc_sampler.processing import process_logits
 
-__all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "fused_draw"]
+__all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "draw_by_order", "fused_draw", "upload"]
 
 BACKENDS = ("cpp", "triton", "torch")
 #: How far (in CDF units) u may lie from a reference interval edge for the
@@ -147,6 +149,86 @@ def fused_draw(
         order == "sorted",
     )
     return _checked(Draw(tokens=tokens, starts=starts, probs=probs), check)
+
+
+def draw_by_order(
+    logits: torch.Tensor,
+    orders: Sequence[str],
+    uniforms: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    check: bool = True,
+) -> Draw:
+    """:func:`fused_draw` for a batch whose rows may use different vocabulary orders.
+
+    One :func:`fused_draw` call for a batch of one order; otherwise one per order, on that
+    order's rows, scattered back. The row indices reach each tensor's device through
+    :func:`upload` (no wait for the device).
+
+    Args:
+        logits: ``[batch, vocab]`` raw logits (not modified).
+        orders: ``batch`` vocabulary orders, ``"id"`` or ``"sorted"``, one per row.
+        uniforms, temperature, top_k, top_p, min_p, check: as :func:`fused_draw` (each tensor
+            may be on the CPU or on the logits' device).
+
+    Returns:
+        :class:`qmc_sampler.inverse_cdf.Draw`, on the logits' device.
+
+    Raises:
+        ValueError: with ``check``, a bad row (NaN, nothing admissible).
+    """
+    distinct = sorted(set(orders))
+    if len(distinct) == 1:
+        return fused_draw(logits, uniforms, temperature, top_k, top_p, min_p, distinct[0], check=check)
+    device = logits.device
+    tokens = torch.empty(len(orders), dtype=torch.int64, device=device)
+    starts = torch.empty(len(orders), dtype=torch.float64, device=device)
+    probs = torch.empty_like(starts)
+    names = np.array(orders)
+    for order in distinct:
+        rows = _RowIndex(np.flatnonzero(names == order))
+        at = rows.on(device)
+        part = fused_draw(
+            logits[at], rows.of(uniforms), rows.of(temperature), rows.of(top_k), rows.of(top_p), rows.of(min_p),
+            order, check=check,
+        )  # fmt: skip
+        tokens[at], starts[at], probs[at] = part.tokens.to(device), part.starts.to(device), part.probs.to(device)
+    return Draw(tokens=tokens, starts=starts, probs=probs)
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host values on ``device`` without waiting: through pinned memory, copied asynchronously
+    (torch's pinned-memory allocator keeps the block until the copy is done).
+
+    Args:
+        values: any numpy array (made contiguous if it is not).
+        device: where they are needed.
+
+    Returns:
+        The values as a tensor on ``device`` (on the CPU: sharing ``values``' memory).
+    """
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class _RowIndex:
+    """Some rows of a batch, as an index on each device it is needed on (uploaded once per device)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._on:
+            self._on[device] = upload(self.rows, device)
+        return self._on[device]
+
+    def of(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[self.on(t.device)]
 
 
 @lru_cache(maxsize=64)

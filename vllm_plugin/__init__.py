@@ -1,8 +1,9 @@
 """vLLM integration of qmc-sampler (``qmc_sampler.vllm_plugin``).
 
 ``QMCLogitsProcessor`` (:mod:`.processor`) is imported lazily so that the pure-Python
-pieces — ``request_args`` (admission), ``grouping`` (who is which member) and
-``registry`` (members and the draw cycle) — import without vLLM. ``hooks`` is the
+pieces — ``request_args`` (admission from ``SamplingParams``) and ``adapters`` (the runners'
+rows and slots as members) — import without vLLM. The members themselves — who is which
+member, the draw cycle, parking — are engine-agnostic: :mod:`qmc_sampler.members`. ``hooks`` is the
 ``vllm.general_plugins`` entry point, ``logprobs`` keeps processed logprobs the
 model's, and ``checks`` verifies at start-up that an engine runs the processor.
 """

@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, RowSampling, upload
 from qmc_sampler.vllm_plugin.request_args import read_request
 
+from qmc_sampler.kernels import upload
+from qmc_sampler.members import Member, MemberRegistry, RowSampling
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = ["MRV2Slots", "V1Rows"]
@@ -38,7 +39,13 @@ def admit_params(
     request = read_request(params.extra_args)
     if request is None:
         return None
-    return registry.admit(request, RowSampling.of(params), prompt_ids, output_ids, identity, again=again)
+    return registry.admit(request, row_sampling(params), prompt_ids, output_ids, identity, again=again)
+
+
+def row_sampling(params: Any) -> RowSampling:
+    """A ``SamplingParams``' temperature, top-k (vLLM's -1 or None: off, 0), top-p and min-p."""
+    top_k = params.top_k if params.top_k and params.top_k > 0 else 0
+    return RowSampling(float(params.temperature), int(top_k), float(params.top_p), float(params.min_p))
 
 
 class V1Rows:

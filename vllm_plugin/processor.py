@@ -3,7 +3,7 @@
 One class for both of vLLM's logits-processor interfaces — the V1 runner and Model Runner V2 —
 so users pass one class path (``qmc_sampler.vllm_plugin:QMCLogitsProcessor``) whatever runner
 they get. It is thin: an adapter per runner (:mod:`.adapters`) turns rows or slots into members
-of one :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`; for each row whose request has
+of one :class:`~qmc_sampler.members.registry.MemberRegistry`; for each row whose request has
 a design it draws the member's token from the processed distribution and sets every other logit
 of the row to ``-inf``. Greedy rows and requests without a design are left untouched.
 :func:`plugin_stats` reads the counters. Where it sits in each runner, and why declaring argmax
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from qmc_sampler.vllm_plugin.adapters import MRV2Slots, V1Rows
-from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
 from qmc_sampler.vllm_plugin.logprobs import PROCESSED_MODES, Capture, require_for
-from qmc_sampler.vllm_plugin.registry import Member, MemberRegistry, upload
 from qmc_sampler.vllm_plugin.request_args import install_prompt_marks, resolve
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+
+from qmc_sampler.kernels import upload
+from qmc_sampler.members import EngineSalt, GroupResolver, Member, MemberRegistry
 
 if TYPE_CHECKING:
     from vllm.v1.sample.logits_processor import BatchUpdate
@@ -223,8 +224,12 @@ class _Batch:
         whole = row_ids == list(range(rows))  # every row, in order: no copy
         requested = ()
         if capture:  # processed logprobs: on the device now, not uploaded (waiting for it) in every step
-            requested = (put([t for t, *_ in sampling], np.float32), put([k for _, k, _, _ in sampling], np.int64),
-                         put([p for _, _, p, _ in sampling], np.float32), put([mp for *_, mp in sampling], np.float32))
+            requested = (
+                put([t for t, *_ in sampling], np.float32),
+                put([k for _, k, _, _ in sampling], np.int64),
+                put([p for _, _, p, _ in sampling], np.float32),
+                put([mp for *_, mp in sampling], np.float32),
+            )
         return cls(key, put(row_ids, np.int64), put([m.slot for m in members], np.int64), whole,
                    (temperature, top_k, top_p, min_p), requested)  # fmt: skip
 

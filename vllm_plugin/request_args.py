@@ -5,9 +5,10 @@ Requests choose a design through ``SamplingParams.extra_args`` (offline) or ``vl
 (:data:`ENV_METHOD`, :data:`ENV_ORDER`, :data:`ENV_AUTO_GROUP`, :data:`ENV_GROUP_TTL`) set
 engine-wide defaults — both tables are in docs/serving.md. :func:`check_extra_args` validates a
 request's keys; :func:`resolve` runs in vLLM's front-end before the ``n > 1`` fan-out and writes
-the group key, kind (:data:`EXPLICIT`, :data:`REQUEST`, :data:`AUTO`), seed and size into
-``extra_args`` (docs/internals.md, "Admission"); :func:`prompt_seed` seeds prompt i of a
-multi-prompt completion request.
+the group key, kind (explicit, request, auto: :mod:`qmc_sampler.members.placement`), seed and
+size into ``extra_args`` as :class:`~qmc_sampler.members.placement.GroupArgs`
+(docs/internals.md, "Admission"), which :func:`read_request` reads back in the worker;
+:func:`prompt_seed` seeds prompt i of a multi-prompt completion request.
 """
 
 from __future__ import annotations
@@ -35,20 +36,18 @@ from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.limits import MAX_GROUP_ID_LENGTH, MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int, is_int
+from qmc_sampler.members.groups import stable_seed
+from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, REQUEST, GroupArgs
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = [
-    "AUTO",
     "ENV_AUTO_GROUP",
     "ENV_GROUP_TTL",
     "ENV_METHOD",
     "ENV_ORDER",
     "ENV_SALT",
-    "EXPLICIT",
     "KEYS",
-    "REQUEST",
     "EngineFacts",
-    "QMCRequest",
     "admitting",
     "check_extra_args",
     "engine_facts",
@@ -67,51 +66,11 @@ ENV_ORDER = "QMC_SAMPLER_ORDER"
 ENV_AUTO_GROUP = "QMC_SAMPLER_AUTO_GROUP"
 ENV_GROUP_TTL = "QMC_SAMPLER_GROUP_TTL"
 ENV_SALT = "QMC_SAMPLER_SALT"
-DEFAULT_GROUP_TTL = 300.0
 KEYS = ("qmc_method", "qmc_seed", "qmc_order", "qmc_group", "qmc_index", "qmc_n", "qmc_auto_group")
-
-#: The kinds of group (see the module docstring).
-EXPLICIT, REQUEST, AUTO = "explicit", "request", "auto"
 
 # Written by `resolve` for the worker; not for users.
 _PRIVATE = "_qmc"
 _USER_SEED = "_qmc_user_seed"  # the vLLM `seed` moved out of vLLM's way (kept across reuse)
-
-
-@dataclass(frozen=True)
-class QMCRequest:
-    """What the worker needs to place one request (one member) in its group.
-
-    Attributes:
-        kind: ``explicit``, ``request`` or ``auto``.
-        method, order: the design and vocabulary order.
-        seed: the group seed, or None (derived in the worker).
-        n: group size (0 for auto groups: extensible).
-        group: the group key (explicit and request groups; auto groups are keyed by prompt).
-        index: the member index if the caller gave one.
-        params_key: fingerprint of the sampling parameters (auto groups).
-        arrival: front-end clock at admission (seconds); ttl: auto-group time-to-live.
-        fresh_seed: the seed for a new group when ``seed`` is None (drawn in the front-end).
-        children: the request's ``n`` (an explicit ``index`` is the first of ``children`` members).
-        tag: names the request, so its children can be numbered (explicit groups with an index).
-        salt: the front end's instance salt (:func:`instance_salt`): tells apart replicas, and an
-            engine before and after a restart, where a group is numbered or seeded in the engine.
-    """
-
-    kind: str
-    method: str
-    order: str
-    seed: int | None
-    n: int
-    group: str = ""
-    index: int | None = None
-    params_key: str = ""
-    arrival: float = 0.0
-    ttl: float = DEFAULT_GROUP_TTL
-    fresh_seed: int | None = None
-    children: int = 1
-    tag: str = ""
-    salt: int = 0
 
 
 def instance_salt() -> int:
@@ -369,7 +328,7 @@ def _params_key(params: Any) -> str:
     return hashlib.blake2b(repr(fields).encode(), digest_size=12).hexdigest()
 
 
-def resolve(params: Any) -> QMCRequest | None:
+def resolve(params: Any) -> GroupArgs | None:
     """Validate a request's plugin arguments and record its group in ``extra_args``.
 
     Args:
@@ -423,8 +382,6 @@ def resolve(params: Any) -> QMCRequest | None:
         # or seeds under one id never share member indices. Without any seed the
         # group seed comes from the id, so all its members still share one group.
         if seed is None:
-            from qmc_sampler.vllm_plugin.grouping import stable_seed
-
             seed = stable_seed("qmc_group", str(explicit), method)
         seed = prompt_seed(int(seed), prompt)
         index, size = extra.get("qmc_index"), int(extra["qmc_n"])
@@ -434,13 +391,13 @@ def resolve(params: Any) -> QMCRequest | None:
                 f"beyond the group's 'qmc_n'={size}: the children of an n > 1 request are members "
                 "qmc_index … qmc_index + n − 1"
             )
-        request = QMCRequest(
+        request = GroupArgs(
             EXPLICIT, method, order, int(seed), size, f"user:{explicit}:{method}:{seed}", index,
             children=int(params.n), tag=uuid.uuid4().hex, salt=salt,
         )  # fmt: skip
     elif kind == REQUEST:
         seed = None if seed is None else prompt_seed(int(seed), prompt)
-        request = QMCRequest(
+        request = GroupArgs(
             REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}",
             fresh_seed=_fresh_seed() if seed is None else None, salt=salt,
         )  # fmt: skip
@@ -448,7 +405,7 @@ def resolve(params: Any) -> QMCRequest | None:
         if not get_design(method).extensible:
             _count_lattice_instead(method)
             method = "lattice"
-        request = QMCRequest(
+        request = GroupArgs(
             AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl(),
             fresh_seed=_fresh_seed() if seed is None else None, salt=salt,
         )  # fmt: skip
@@ -506,8 +463,8 @@ def _engine_can_serve(facts: EngineFacts, explicit_design: bool) -> bool:
     return True
 
 
-def read_request(extra_args: dict[str, Any] | None) -> QMCRequest | None:
+def read_request(extra_args: dict[str, Any] | None) -> GroupArgs | None:
     """The placement ``resolve`` recorded, read back in the worker (None: no design)."""
     if not extra_args or _PRIVATE not in extra_args:
         return None
-    return QMCRequest(*extra_args[_PRIVATE])
+    return GroupArgs(*extra_args[_PRIVATE])

@@ -9,10 +9,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 from qmc_sampler.vllm_plugin.adapters import V1Rows
-from qmc_sampler.vllm_plugin.registry import MemberRegistry
 from qmc_sampler.vllm_plugin.request_args import resolve
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+
+from qmc_sampler.members import MemberRegistry
 
 PROMPT = [1, 2, 3]
 

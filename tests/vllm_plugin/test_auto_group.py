@@ -99,9 +99,9 @@ def test_one_seed_on_every_repeat_gives_distinct_samples_and_the_same_group_agai
 def test_two_engines_started_alike_build_different_groups_from_the_same_seeded_repeats(tiny_model_dir, run_script):
     # Two replicas started alike (engine seed 0, rank 0), each given lm-eval's `seed: 1234` repeats:
     # each engine client's instance salt makes its group its own, so the replicas' answers are not
-    # copies of each other (pinned with QMC_SAMPLER_SALT they are one group: test_grouping.py). In a
-    # process of their own: shutting an in-process engine down tears down the parallel state that
-    # this module's engine shares.
+    # copies of each other (pinned with QMC_SAMPLER_SALT they are one group: tests/members/test_groups.py).
+    # In a process of their own: shutting an in-process engine down tears down the parallel state
+    # that this module's engine shares.
     result = run_script(f"""
         import json, os
         os.environ["QMC_SAMPLER"] = "lattice"

@@ -4,9 +4,6 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed")
 from qmc_sampler.vllm_plugin.request_args import (  # noqa: E402
-    AUTO,
-    EXPLICIT,
-    REQUEST,
     admitting,
     prompt_index,
     prompt_seed,
@@ -14,6 +11,8 @@ from qmc_sampler.vllm_plugin.request_args import (  # noqa: E402
     resolve,
 )
 from vllm import SamplingParams  # noqa: E402
+
+from qmc_sampler.members import AUTO, EXPLICIT, REQUEST  # noqa: E402
 
 
 def test_a_design_is_recorded_for_the_worker():
@@ -297,7 +296,7 @@ def test_each_prompt_of_a_multi_prompt_route_request_is_a_group_of_its_own(extra
     seeds = [r.seed for r in placed]
     assert len(set(seeds)) == 3 and len({r.group for r in placed}) == 3
     assert seeds[1] == prompt_seed(seeds[0], 1) and seeds[2] == prompt_seed(seeds[0], 2)
-    assert [prompt_index(p) for p in placed] == [0, 0, 0]  # QMCRequest has no extra_args: 0
+    assert [prompt_index(p) for p in placed] == [0, 0, 0]  # GroupArgs has no extra_args: 0
     if "qmc_seed" in extra:
         assert seeds[0] == 7  # prompt 0 keeps the request's seed: one prompt alone is unchanged
 

@@ -1,12 +1,12 @@
-"""Who is which member: group resolution in the worker.
+"""Who is which member: group resolution where the members are drawn.
 
 :class:`GroupResolver` places every request with a design in exactly one group, as one member
-index of it (a :class:`Placement`), when it first enters the engine's batch: an *explicit* group
-(``qmc_group``), a *request* group (the children of one ``n > 1`` request) or an *auto* group
-(repeats of one ``n = 1`` prompt: an extensible lattice, open for its ttl), seeded and salted by
-engine (:class:`EngineSalt`, :func:`stable_seed`) and counted in :class:`GroupStats`. The rules —
-kinds, seeds, lifetimes, members beyond a group's size — are specified in docs/internals.md,
-"Groups".
+index of it (a :class:`~qmc_sampler.members.placement.Placement`), when it first enters the
+batch: an *explicit* group (``qmc_group``), a *request* group (the children of one ``n > 1``
+request) or an *auto* group (repeats of one ``n = 1`` prompt: an extensible lattice, open for its
+ttl), seeded and salted by engine (:class:`EngineSalt`, :func:`stable_seed`) and counted in
+:class:`GroupStats`. The rules — kinds, seeds, lifetimes, members beyond a group's size — are
+specified in docs/internals.md, "Groups".
 
 One member, once: every member index that comes from a counter kept here (members numbered in
 arrival order) is handed out at most once per group seed. Where such a counter may have been
@@ -27,25 +27,17 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, QMCRequest
 
 from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
 from qmc_sampler.group import EXTENSIBLE, GroupSpec
+from qmc_sampler.members.placement import AUTO, EXPLICIT, GroupArgs, Placement
 
-__all__ = ["EngineSalt", "GroupResolver", "GroupStats", "Placement", "stable_seed"]
+__all__ = ["EngineSalt", "GroupResolver", "GroupStats", "stable_seed"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
 #: Keys of forgotten children counters are remembered this many times max_open_groups.
 _FORGOTTEN_PER_OPEN = 16
-
-
-def _log_counted(message: str, *args: object) -> None:
-    """A warning for a counted event, logged at its 1st, 2nd, 4th, 8th, … occurrence (the count is
-    the last argument): said, never a flood."""
-    count = int(args[-1])  # type: ignore[call-overload]
-    if count & (count - 1) == 0:
-        logger.warning(message, *args)
 
 
 def stable_seed(*parts: object) -> int:
@@ -57,25 +49,10 @@ def stable_seed(*parts: object) -> int:
 @dataclass(frozen=True)
 class EngineSalt:
     """What tells this engine apart from others that may serve the same requests (the
-    front end's per-engine-client salt travels with each request: ``QMCRequest.salt``)."""
+    front end's per-engine-client salt travels with each request: ``GroupArgs.salt``)."""
 
     engine_seed: int = 0
     dp_rank: int = 0
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A request's place: its group's spec, its member index, and its group's label.
-
-    ``fresh`` is True for a member beyond its group's size (see module docstring).
-    ``auto_key`` identifies the auto group (None for the other kinds).
-    """
-
-    label: str
-    spec: GroupSpec
-    member: int
-    fresh: bool = False
-    auto_key: Hashable | None = None
 
 
 @dataclass
@@ -94,14 +71,6 @@ class GroupStats:
 
 
 @dataclass
-class _AutoGroup:
-    seed: int
-    next_member: int = 0
-    live: int = 0
-    idle_since: float = 0.0
-
-
-@dataclass
 class GroupResolver:
     """Places requests in groups (see the module docstring for the rules).
 
@@ -111,7 +80,7 @@ class GroupResolver:
             clock (seconds, comparable with the front-end's ``time.time()``).
         on_close: called with ``(key, why)`` when an auto group is closed — expired
             (``why`` = "expired") or evicted ("evicted") — so its parked members go
-            with it; set by :class:`~qmc_sampler.vllm_plugin.registry.MemberRegistry`.
+            with it; set by :class:`~qmc_sampler.members.registry.MemberRegistry`.
             Groups expire lazily: when a repeat arrives after the TTL (a sweep by the
             clock could close a group that a queued repeat, stamped within the TTL,
             should still join).
@@ -133,14 +102,14 @@ class GroupResolver:
     _clock: float = 0.0
     _counter: int = 0
 
-    def key(self, request: QMCRequest, prompt_ids: Sequence[int]) -> Hashable:
+    def key(self, request: GroupArgs, prompt_ids: Sequence[int]) -> Hashable:
         """The key of the group a request belongs to (its parked siblings are filed under it)."""
         if request.kind != AUTO:
             return request.group
         prompt = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
         return (request.method, request.order, request.seed, request.params_key, prompt)
 
-    def place(self, request: QMCRequest, key: Hashable, again: bool = False) -> Placement:
+    def place(self, request: GroupArgs, key: Hashable, again: bool = False) -> Placement:
         """The placement of a request entering the batch as a new member of group ``key``.
 
         Args:
@@ -210,7 +179,7 @@ class GroupResolver:
         return len(self._auto)
 
     # ---- the three kinds ----------------------------------------------------
-    def _place_auto(self, request: QMCRequest, key: Hashable) -> Placement:
+    def _place_auto(self, request: GroupArgs, key: Hashable) -> Placement:
         group = self._auto.get(key)
         if group is not None and group.live == 0 and request.arrival - group.idle_since > request.ttl:
             del self._auto[key]
@@ -231,7 +200,7 @@ class GroupResolver:
         spec = GroupSpec(request.method, EXTENSIBLE, group.seed, request.order)
         return Placement(f"auto:{key[-1][:12]}:{group.seed}", spec, member, auto_key=key)
 
-    def _open_auto(self, key: Hashable, request: QMCRequest) -> _AutoGroup:
+    def _open_auto(self, key: Hashable, request: GroupArgs) -> _AutoGroup:
         if request.seed is not None:
             # The instance salt: two replicas (or engines) started alike never build the same group
             # from the same seeded repeats (pinned with QMC_SAMPLER_SALT for reproducible groups).
@@ -329,13 +298,13 @@ class GroupResolver:
                 )  # fmt: skip
         return member
 
-    def _forgotten_child(self, request: QMCRequest) -> bool:
+    def _forgotten_child(self, request: GroupArgs) -> bool:
         if request.kind == EXPLICIT and request.index is None:
             return False
         key = request.group if request.index is None else f"{request.group}#{request.tag}"
         return key in self._forgotten and key not in self._children
 
-    def _orphan(self, request: QMCRequest, why: str) -> Placement:
+    def _orphan(self, request: GroupArgs, why: str) -> Placement:
         """A member with a group seed of its own (member 0 of a group nobody else joins), fresh uniforms."""
         self.stats.orphans += 1
         self._counter += 1
@@ -363,3 +332,21 @@ class GroupResolver:
         # Rank 0 keeps the user's seed as it is, so a single engine reproduces
         # the same groups as before data parallelism.
         return seed if self.salt.dp_rank == 0 else stable_seed("dp", seed, self.salt.dp_rank)
+
+
+@dataclass
+class _AutoGroup:
+    """One open auto group: its seed, its next member index, its members in the batch, idle since when."""
+
+    seed: int
+    next_member: int = 0
+    live: int = 0
+    idle_since: float = 0.0
+
+
+def _log_counted(message: str, *args: object) -> None:
+    """A warning for a counted event, logged at its 1st, 2nd, 4th, 8th, … occurrence (the count is
+    the last argument): said, never a flood."""
+    count = int(args[-1])  # type: ignore[call-overload]
+    if count & (count - 1) == 0:
+        logger.warning(message, *args)

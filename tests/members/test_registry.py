@@ -5,13 +5,22 @@ import weakref
 
 import numpy as np
 import torch
-from qmc_sampler.vllm_plugin.grouping import GroupResolver
-from qmc_sampler.vllm_plugin.registry import MemberRegistry, Pending, RowSampling, extend_history, token_history
-from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
 
 from qmc_sampler.group import member_uniforms
+from qmc_sampler.members import (
+    AUTO,
+    EXPLICIT,
+    REQUEST,
+    GroupArgs,
+    GroupResolver,
+    MemberRegistry,
+    Pending,
+    RowSampling,
+    extend_history,
+    token_history,
+)
 
-REQ = QMCRequest(REQUEST, "lattice", "id", 1, 4, "req:g")
+REQ = GroupArgs(REQUEST, "lattice", "id", 1, 4, "req:g")
 PLAIN = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 PROMPT = [1, 2, 3]
 
@@ -28,14 +37,14 @@ def accept(reg, member, token, accepted):
 def test_members_get_indices_in_order_of_arrival_per_group():
     reg = MemberRegistry()
     rows = [admit(reg) for _ in range(3)]
-    other = admit(reg, QMCRequest(REQUEST, "lattice", "id", 1, 4, "req:h"))
+    other = admit(reg, GroupArgs(REQUEST, "lattice", "id", 1, 4, "req:h"))
     assert [r.placement.member for r in rows] == [0, 1, 2]
     assert other.placement.member == 0
 
 
 def test_an_explicit_index_is_used():
     reg = MemberRegistry()
-    member = admit(reg, QMCRequest(EXPLICIT, "lattice", "id", 1, 8, "user:g", 5))
+    member = admit(reg, GroupArgs(EXPLICIT, "lattice", "id", 1, 8, "user:g", 5))
     assert member.placement.member == 5 and member.state.member == 5
 
 
@@ -147,7 +156,7 @@ def test_members_beyond_n_draw_their_own_fresh_streams():
     # sibling's completion exactly; it must get a stream of its own.
     for method in ("iid", "sobol", "antithetic", "lattice", "stratified"):
         reg = MemberRegistry()
-        request = QMCRequest(REQUEST, method, "id", 7, 4, "req:x")
+        request = GroupArgs(REQUEST, method, "id", 7, 4, "req:x")
         members = [admit(reg, request) for _ in range(6)]
         assert [m.placement.member for m in members] == [0, 1, 2, 3, 4, 5]
         assert members[4].state.fresh and members[5].state.fresh
@@ -187,12 +196,12 @@ def test_a_new_request_never_takes_a_parked_siblings_member():
 
 def test_auto_group_members_are_counted_live_while_in_the_batch():
     reg = MemberRegistry(resolver=GroupResolver())
-    request = QMCRequest(AUTO, "lattice", "id", None, 0, params_key="k", arrival=100.0, ttl=5.0)
+    request = GroupArgs(AUTO, "lattice", "id", None, 0, params_key="k", arrival=100.0, ttl=5.0)
     a, b = admit(reg, request), admit(reg, request)
     assert (a.placement.member, b.placement.member) == (0, 1)
     reg.park(a)
     reg.park(b)
-    later = QMCRequest(AUTO, "lattice", "id", None, 0, params_key="k", arrival=104.0, ttl=5.0)
+    later = GroupArgs(AUTO, "lattice", "id", None, 0, params_key="k", arrival=104.0, ttl=5.0)
     assert admit(reg, later).placement.member == 2  # still open: never reuses an index
 
 

@@ -19,11 +19,9 @@ import itertools
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from qmc_sampler.vllm_plugin import grouping
-from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
-from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
 
 from qmc_sampler.counter_rng import counter_seed
+from qmc_sampler.members import AUTO, EXPLICIT, REQUEST, EngineSalt, GroupArgs, GroupResolver, groups
 
 TTL = 10.0
 ENGINES = (("A", 0), ("A", 1), ("B", 0))  # (replica, data-parallel rank): A has two engines
@@ -54,16 +52,16 @@ class GroupingMachine(RuleBasedStateMachine):
         self.retired: list[GroupResolver] = []  # resolvers of restarted replicas (their counts stay)
         self.records: list[tuple[int, tuple, str, tuple | None, int]] = []  # (request, identity, kind, key, step)
         self.live: list[tuple] = []  # (request id, engine, request, placement, prompt)
-        self.pending: list[tuple[tuple, QMCRequest, int]] = []  # children not arrived yet: engine, request, left
+        self.pending: list[tuple[tuple, GroupArgs, int]] = []  # children not arrived yet: engine, request, left
         self.closed: list[tuple[tuple, tuple, int]] = []  # (engine, auto key, step)
         self.next_index = 0  # explicit groups with children: the next free range of indices
         self.step = 0
         self.log = _Said()
-        self._logger = grouping.logger
-        grouping.logger = self.log
+        self._logger = groups.logger
+        groups.logger = self.log
 
     def teardown(self) -> None:
-        grouping.logger = self._logger
+        groups.logger = self._logger
 
     def _new_salt(self) -> int:
         # A counter-based stand-in for os.urandom: distinct per engine client, reproducible per run.
@@ -75,7 +73,7 @@ class GroupingMachine(RuleBasedStateMachine):
         resolver.on_close = lambda key, why, engine=engine: self.closed.append((engine, key, self.step + 0.5))
         return resolver
 
-    def _place(self, engine: tuple, request: QMCRequest, request_id: int, prompt=(1, 2, 3), again=False) -> None:
+    def _place(self, engine: tuple, request: GroupArgs, request_id: int, prompt=(1, 2, 3), again=False) -> None:
         resolver = self.resolvers[engine]
         key = resolver.key(request, list(prompt))
         placement = resolver.place(request, key, again=again)
@@ -92,7 +90,7 @@ class GroupingMachine(RuleBasedStateMachine):
     def explicit_member_by_arrival(self, engine, group):
         # qmc_group "g<k>" with qmc_seed and qmc_n = 8, no qmc_index (as on vllm serve, or a load balancer)
         seed = 500 + group
-        request = QMCRequest(EXPLICIT, "lattice", "id", seed, 8, f"user:g{group}:lattice:{seed}",
+        request = GroupArgs(EXPLICIT, "lattice", "id", seed, 8, f"user:g{group}:lattice:{seed}",
                              tag=f"t{next(self.counter)}", salt=self.salts[engine[0]])  # fmt: skip
         self._place(engine, request, next(self.counter))
 
@@ -101,12 +99,12 @@ class GroupingMachine(RuleBasedStateMachine):
         # n > 1: a request group (fresh seed from the front end), or qmc_index + n children of group "h"
         salt = self.salts[engine[0]]
         if explicit:
-            request = QMCRequest(EXPLICIT, "lattice", "id", 7, 4096, "user:h:lattice:7", self.next_index,
+            request = GroupArgs(EXPLICIT, "lattice", "id", 7, 4096, "user:h:lattice:7", self.next_index,
                                  children=n, tag=f"t{next(self.counter)}", salt=salt)  # fmt: skip
             self.next_index += n
         else:
             fresh = counter_seed(salt, 8, 1, next(self.counter))
-            request = QMCRequest(REQUEST, "lattice", "id", None, n, f"req:{next(self.counter)}", fresh_seed=fresh,
+            request = GroupArgs(REQUEST, "lattice", "id", None, n, f"req:{next(self.counter)}", fresh_seed=fresh,
                                  salt=salt)  # fmt: skip
         self.pending.append((engine, request, n))
 
@@ -122,7 +120,7 @@ class GroupingMachine(RuleBasedStateMachine):
     def auto_repeat(self, engine, prompt, seeded):
         # lm-eval's repeats: seed 1234 on every one; or unseeded repeats (a fresh seed each, from the front end)
         salt = self.salts[engine[0]]
-        request = QMCRequest(AUTO, "lattice", "id", 1234 if seeded else None, 0, params_key="p", arrival=self.now,
+        request = GroupArgs(AUTO, "lattice", "id", 1234 if seeded else None, 0, params_key="p", arrival=self.now,
                              ttl=TTL, fresh_seed=None if seeded else counter_seed(salt, 8, 2, next(self.counter)),
                              salt=salt)  # fmt: skip
         self._place(engine, request, next(self.counter), prompt=(prompt, 9))

@@ -12,21 +12,31 @@ import random
 
 import pytest
 import torch
-from qmc_sampler.vllm_plugin import registry as registry_module
-from qmc_sampler.vllm_plugin.grouping import GroupResolver
-from qmc_sampler.vllm_plugin.registry import DevicePool, Member, MemberRegistry, Pending, RowSampling, token_history
-from qmc_sampler.vllm_plugin.request_args import AUTO, REQUEST, QMCRequest
+
+from qmc_sampler.members import (
+    AUTO,
+    REQUEST,
+    DevicePool,
+    GroupArgs,
+    GroupResolver,
+    Member,
+    MemberRegistry,
+    Pending,
+    RowSampling,
+    token_history,
+)
+from qmc_sampler.members import history as history_module
 
 PLAIN = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 PROMPT = [1, 2, 3]
 
 
 def request(group="req:g", n=1 << 20):
-    return QMCRequest(REQUEST, "lattice", "id", 1, n, group)
+    return GroupArgs(REQUEST, "lattice", "id", 1, n, group)
 
 
 def auto(arrival, ttl=5.0, key="k"):
-    return QMCRequest(AUTO, "lattice", "id", None, 0, params_key=key, arrival=arrival, ttl=ttl)
+    return GroupArgs(AUTO, "lattice", "id", None, 0, params_key=key, arrival=arrival, ttl=ttl)
 
 
 def admit(reg, req=None, output=(), identity=None, prompt=PROMPT):
@@ -147,8 +157,8 @@ def test_admission_hashes_the_history_once_however_many_are_parked(monkeypatch):
     target = parked_at(reg, [4, 4], 1)[0]
     parked_at(reg, [4, 3], 300)
     hashes, checks = [], []
-    real_hash, real_check = registry_module.token_history, Member.consistent_with
-    monkeypatch.setattr(registry_module, "token_history", lambda *a: hashes.append(1) or real_hash(*a))
+    real_hash, real_check = history_module.token_history, Member.consistent_with
+    monkeypatch.setattr(history_module, "token_history", lambda *a: hashes.append(1) or real_hash(*a))
     monkeypatch.setattr(Member, "consistent_with", lambda self, o: checks.append(1) or real_check(self, o))
     assert admit(reg, output=[4, 4]) is target
     assert len(hashes) <= 2 and not checks, (len(hashes), len(checks))  # the prefix, then one more token

@@ -2,16 +2,15 @@
 
 import numpy as np
 import pytest
-from qmc_sampler.vllm_plugin.grouping import EngineSalt, GroupResolver
-from qmc_sampler.vllm_plugin.request_args import AUTO, EXPLICIT, REQUEST, QMCRequest
 
 from qmc_sampler.group import EXTENSIBLE, GroupSpec
+from qmc_sampler.members import AUTO, EXPLICIT, REQUEST, EngineSalt, GroupArgs, GroupResolver
 
 PROMPT = [5, 6, 7]
 
 
 def auto(seed=None, t=0.0, ttl=10.0, key="params", method="lattice"):
-    return QMCRequest(AUTO, method, "id", seed, 0, params_key=key, arrival=t, ttl=ttl)
+    return GroupArgs(AUTO, method, "id", seed, 0, params_key=key, arrival=t, ttl=ttl)
 
 
 def place(resolver, request, prompt=PROMPT):
@@ -97,24 +96,24 @@ def test_unseeded_groups_are_fresh_and_seeded_ones_reproduce():
 def test_engines_are_salted_apart_but_explicit_groups_are_not():
     a, b = GroupResolver(salt=EngineSalt(0, 0)), GroupResolver(salt=EngineSalt(0, 1))
     assert place(a, auto(seed=5)).spec.seed != place(b, auto(seed=5)).spec.seed
-    request = QMCRequest(REQUEST, "lattice", "id", 5, 8, "req:1")
+    request = GroupArgs(REQUEST, "lattice", "id", 5, 8, "req:1")
     assert place(a, request).spec.seed == 5  # rank 0 keeps the user's seed
     assert place(b, request).spec.seed != 5
-    explicit = QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:g", 3)
+    explicit = GroupArgs(EXPLICIT, "lattice", "id", 5, 8, "user:g", 3)
     assert place(a, explicit).spec == place(b, explicit).spec == GroupSpec("lattice", 8, 5)
 
 
 def test_the_children_of_an_n_request_with_an_explicit_index_are_consecutive_members():
     r = GroupResolver()
-    request = QMCRequest(EXPLICIT, "lattice", "id", 5, 16, "user:g", 8, children=8, tag="request-1")
+    request = GroupArgs(EXPLICIT, "lattice", "id", 5, 16, "user:g", 8, children=8, tag="request-1")
     assert [place(r, request).member for _ in range(8)] == list(range(8, 16))
-    again = QMCRequest(EXPLICIT, "lattice", "id", 5, 16, "user:g", 0, children=8, tag="request-2")
+    again = GroupArgs(EXPLICIT, "lattice", "id", 5, 16, "user:g", 0, children=8, tag="request-2")
     assert [place(r, again).member for _ in range(8)] == list(range(8))
 
 
 def test_overflow_is_counted_and_fresh():
     r = GroupResolver()
-    request = QMCRequest(REQUEST, "iid", "id", 1, 2, "req:z")
+    request = GroupArgs(REQUEST, "iid", "id", 1, 2, "req:z")
     placements = [place(r, request) for _ in range(3)]
     assert [p.fresh for p in placements] == [False, False, True]
     assert r.stats.overflow == 1
@@ -182,26 +181,26 @@ def test_a_bad_pinned_salt_is_refused_naming_the_variable(monkeypatch, raw):
 
 def test_an_explicit_group_numbered_by_arrival_never_restarts_a_used_member():
     r = GroupResolver(max_open_groups=1)
-    group = QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:g:lattice:5", salt=3)
+    group = GroupArgs(EXPLICIT, "lattice", "id", 5, 8, "user:g:lattice:5", salt=3)
     first = [place(r, group) for _ in range(3)]
     assert [p.member for p in first] == [0, 1, 2] and len({p.spec for p in first}) == 1
-    place(r, QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:other:lattice:5", salt=3))  # pushes g's counter out
+    place(r, GroupArgs(EXPLICIT, "lattice", "id", 5, 8, "user:other:lattice:5", salt=3))  # pushes g's counter out
     assert r.stats.arrivals_forgotten == 1
     again = place(r, group)
     assert again.member == 0 and again.spec.seed != first[0].spec.seed  # a new group: never a used member
     # Two engines of one server, and another replica (another salt): other seeds too.
     other_rank = place(GroupResolver(salt=EngineSalt(0, 1)), group)
-    other_replica = place(GroupResolver(), QMCRequest(EXPLICIT, "lattice", "id", 5, 8, "user:g:lattice:5", salt=4))
+    other_replica = place(GroupResolver(), GroupArgs(EXPLICIT, "lattice", "id", 5, 8, "user:g:lattice:5", salt=4))
     assert len({first[0].spec.seed, other_rank.spec.seed, other_replica.spec.seed}) == 3
 
 
 def test_a_readmitted_child_and_a_child_whose_counter_was_forgotten_are_orphans():
     r = GroupResolver(max_open_groups=1)
-    request = QMCRequest(REQUEST, "lattice", "id", 9, 3, "req:a")
+    request = GroupArgs(REQUEST, "lattice", "id", 9, 3, "req:a")
     assert place(r, request).member == 0
-    place(r, QMCRequest(REQUEST, "lattice", "id", 9, 3, "req:b"))  # req:a's counter (1 of 3) forgotten
+    place(r, GroupArgs(REQUEST, "lattice", "id", 9, 3, "req:b"))  # req:a's counter (1 of 3) forgotten
     assert r.stats.children_forgotten == 1
     late = place(r, request)
-    readmitted = r.place(QMCRequest(REQUEST, "lattice", "id", 9, 3, "req:b"), "req:b", again=True)
+    readmitted = r.place(GroupArgs(REQUEST, "lattice", "id", 9, 3, "req:b"), "req:b", again=True)
     assert late.fresh and readmitted.fresh and late.spec.seed != readmitted.spec.seed != 9
     assert r.stats.orphans == 2
