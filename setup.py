@@ -14,7 +14,7 @@ import os
 import platform
 import warnings
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 SUBPACKAGES = {"vllm_plugin": "vllm_plugin", "server": "server", "eval": "eval", "hf": "hf"}
 
@@ -56,7 +56,12 @@ def _extensions() -> tuple[list, dict]:
 ext_modules, cmdclass = _extensions()
 
 setup(
-    packages=["qmc_sampler", *(f"qmc_sampler.{name}" for name in SUBPACKAGES)],
+    # The core's own subpackages (qmc_sampler.members, …) are found; the doors are mapped above.
+    packages=[
+        "qmc_sampler",
+        *(f"qmc_sampler.{name}" for name in find_packages("qmc_sampler")),
+        *(f"qmc_sampler.{name}" for name in SUBPACKAGES),
+    ],
     package_dir={"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{k}": v for k, v in SUBPACKAGES.items()}},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
