@@ -81,7 +81,8 @@ def main() -> int:
         args.problems, args.n, args.max_tokens, args.concurrency = 2, 4, 8, 4
     import torch
     from qmc_sampler.eval.endpoints import EndpointBackend
-    from qmc_sampler.eval.ray_backend import SPARE_CPUS, RayBackend
+    from qmc_sampler.eval.ray_backend import RayBackend
+    from qmc_sampler.eval.ray_plan import SPARE_CPUS
     from qmc_sampler.eval.runner import RunConfig, group_seed, jobs_for
     from qmc_sampler.eval.tasks import get_task
 

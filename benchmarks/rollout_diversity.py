@@ -115,8 +115,14 @@ def _run_vllm(args, model, task, problems, sizes, max_tokens, collect: Collect) 
     sampling = {"temperature": args.temperature, "max_tokens": max_tokens, "stop": list(task.stop)}
     jobs = [
         GroupJob(
-            key=(sampler, pr.problem_id, g), messages=pr.messages, prompt=pr.prompt, n=g,
-            seed=group_seed(args.seed, args.task, pr.problem_id, g), method=sampler, order="id", sampling=sampling,
+            key=(sampler, pr.problem_id, g),
+            messages=pr.messages,
+            prompt=pr.prompt,
+            n=g,
+            seed=group_seed(args.seed, args.task, pr.problem_id, g),
+            method=sampler,
+            order="id",
+            sampling=sampling,
         )
         for g in sizes
         for pr in problems

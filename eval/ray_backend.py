@@ -11,7 +11,7 @@ counter-based: replicas need no coordination). Ray Data keeps only ``outputs[0]`
 of a row, which is why members are rows and never ``n > 1``.
 
 The driver's memory does not grow with the rows: it tokenizes each distinct prompt once
-into a :class:`MemberTable` (flat arrays, one entry per group), and the rows are made from
+into a :class:`~qmc_sampler.eval.ray_rows.MemberTable` (flat arrays, one entry per group), and the rows are made from
 it in Ray tasks, block by block, as the stage asks for them (a ``ray.data.range`` over the
 members' serial numbers). Results are kept only for the groups still open; a finished
 group is one byte (its members handed to ``on_group`` and dropped).
@@ -34,7 +34,7 @@ a cluster busy with other work that cannot host them now is one line at once, no
 30-minute wait for actors that never start.
 
 The replicas get the driver's ``QMC_*`` variables (not ``*_API_KEY``) and the ``VLLM_*``
-variables of :data:`FORWARDED_VLLM_ENV` (engine settings; host-specific ones such as
+variables of :data:`~qmc_sampler.eval.ray_plan.FORWARDED_VLLM_ENV` (engine settings; host-specific ones such as
 ``VLLM_HOST_IP`` or ``VLLM_PORT`` stay on the driver, and the start-up line names the ones
 kept back). A local ``--model`` folder is passed as an absolute path; it must exist at that
 path on every node.
@@ -49,364 +49,38 @@ Every row must carry the plugin's admission marker in its ``params``: a replica
 without qmc-sampler would silently sample i.i.d., so the run stops instead.
 
 vLLM's ``finish_reason`` is not among the stage's output columns; it is derived
-from the tokens (:func:`finish_reason`).
+from the tokens (:func:`~qmc_sampler.eval.ray_rows.finish_reason`).
+
+The placement is in :mod:`qmc_sampler.eval.ray_plan`, the rows in :mod:`qmc_sampler.eval.ray_rows`.
 """
 
 from __future__ import annotations
 
 import os
-from array import array
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-from qmc_sampler.eval.generation import Completion, GroupJob, OnGroup, member_xargs, prompt_token_ids
+from qmc_sampler.eval.generation import GroupJob, OnGroup
+from qmc_sampler.eval.ray_plan import (
+    DEVICES,
+    SPARE_CPUS,
+    RayBackendError,
+    ReplicaPlan,
+    cpu_replica,
+    plan_replicas,
+    replica_env,
+)
+from qmc_sampler.eval.ray_rows import GroupResults, MemberTable, member_output, member_rows
 
-__all__ = [
-    "DEFAULT_REPLICAS",
-    "DEVICES",
-    "FORWARDED_VLLM_ENV",
-    "CpuReplica",
-    "MemberTable",
-    "RayBackend",
-    "RayBackendError",
-    "ReplicaPlan",
-    "cpu_replica",
-    "finish_reason",
-    "plan_replicas",
-    "replica_env",
-    "rows_per_engine",
-]
+__all__ = ["DEFAULT_REPLICAS", "RayBackend", "RayBackendError"]
 
 DEFAULT_REPLICAS = 2
-#: ``--ray-device``: where the replicas run (``auto``: on GPUs where the cluster has any, else on CPUs).
-DEVICES = ("auto", "cpu", "gpu")
-#: Logical CPUs a local cluster gets beyond the replicas' own, for Ray Data's other tasks.
-SPARE_CPUS = 2
-#: The driver's ``VLLM_*`` variables the replicas get: settings of the engine, the same on every node.
-#: Host-specific ones (``VLLM_HOST_IP``, ``VLLM_PORT``, ``VLLM_CACHE_ROOT``, ``VLLM_DP_*``, …) are not passed.
-FORWARDED_VLLM_ENV = frozenset({
-    "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
-    "VLLM_BATCH_INVARIANT",
-    "VLLM_CONFIGURE_LOGGING",
-    "VLLM_CPU_ATTN_SPLIT_KV",
-    "VLLM_CPU_KVCACHE_SPACE",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU",
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_DISABLE_COMPILE_CACHE",
-    "VLLM_DO_NOT_TRACK",
-    "VLLM_ENABLE_V1_MULTIPROCESSING",
-    "VLLM_ENGINE_READY_TIMEOUT_S",
-    "VLLM_FLOAT32_MATMUL_PRECISION",
-    "VLLM_LOGGING_LEVEL",
-    "VLLM_NO_USAGE_STATS",
-    "VLLM_PLUGINS",
-    "VLLM_USE_MODELSCOPE",
-    "VLLM_WORKER_MULTIPROC_METHOD",
-})  # fmt: skip
-#: The admission record the plugin writes into a request's ``extra_args`` (``vllm_plugin/request_args.py``).
-PLUGIN_MARKER = "'_qmc':"
 #: Seconds to wait for every replica's engine to start (load its model) before the run fails. The
 #: resources were found free just before (:func:`plan_replicas`), so this is a wait for engines, not for room.
 START_TIMEOUT_S = 1800
 #: Seconds the free resources are read again while they fall short, before the run is refused.
 PLAN_WAIT_S = 5.0
 _INSTALL = "pip install 'qmc-sampler[ray]'"
-
-
-class RayBackendError(RuntimeError):
-    """A Ray run that cannot start or finish as asked; the message is one line (options named)."""
-
-
-@dataclass(frozen=True)
-class ReplicaPlan:
-    """Where the replicas run: ``device`` ``cpu`` or ``gpu``, and the CPUs (OpenMP threads) of each CPU replica."""
-
-    device: str
-    replicas: int
-    cpus_per_replica: int
-
-
-def plan_replicas(
-    replicas: int,
-    free: Sequence[Mapping[str, float]],
-    total: Mapping[str, float],
-    *,
-    local: bool,
-    device: str = "auto",
-    cpus_per_replica: int | None = None,
-) -> ReplicaPlan:
-    """How to place ``replicas`` engines on the resources of the cluster that are free now.
-
-    Args:
-        replicas: vLLM engines to start.
-        free: each live node's free resources (``{"CPU": …, "GPU": …}``; Ray's ``available_resources_per_node``).
-        total: the cluster's resources in all (``ray.cluster_resources()``): ``auto`` means GPUs where it has any.
-        local: a local cluster was started for them (its CPUs are the replicas' plus :data:`SPARE_CPUS`).
-        device: ``auto``, ``cpu`` or ``gpu`` (:data:`DEVICES`).
-        cpus_per_replica: the CPUs of each CPU replica (default: an equal share of the free CPUs, at most
-            one node's, leaving :data:`SPARE_CPUS` (at least one) to Ray Data).
-
-    Returns:
-        The plan: one whole free GPU per GPU replica; CPU bundles that fit on the nodes' free CPUs.
-
-    Raises:
-        RayBackendError: a device not in :data:`DEVICES`, or too few free resources (the message names
-            ``--replicas`` or ``--ray-device``, and says when the rest of the cluster is busy).
-    """
-    if device not in DEVICES:
-        raise RayBackendError(f"--ray-device {device!r}: use one of {', '.join(DEVICES)}")
-    has_gpus = total.get("GPU", 0) >= 1
-    if device == "gpu" and not has_gpus:
-        raise RayBackendError("--ray-device gpu: the Ray cluster has no GPU (--ray-device cpu: CPU replicas)")
-    if device == "gpu" or (device == "auto" and has_gpus):
-        gpus = sum(int(node.get("GPU", 0)) for node in free)  # a replica's GPU is on one node, whole
-        if replicas > gpus:
-            hint = "" if device == "gpu" else "; --ray-device cpu: CPU replicas"
-            raise RayBackendError(
-                f"--replicas {replicas}: the Ray cluster has {gpus:g} GPUs{_busy(gpus, total.get('GPU', 0))}; "
-                f"each replica needs one{hint}"
-            )
-        return ReplicaPlan("gpu", replicas, 1)
-    cpus_free = sum(node.get("CPU", 0) for node in free)
-    largest = max((node.get("CPU", 0) for node in free), default=0)
-    spare = SPARE_CPUS if local else min(SPARE_CPUS, max(1, int(cpus_free) - replicas))
-    cpus = cpus_per_replica or min(int(largest), int(cpus_free - spare) // replicas)
-    fixed = cpus_per_replica is not None
-    # Each bundle on one node: fewer CPUs each until the replicas fit on the nodes (one CPU left to Ray Data).
-    while cpus >= 1 and not (_bundles(free, cpus) >= replicas and replicas * cpus + 1 <= cpus_free):
-        cpus = 0 if fixed else cpus - 1
-    if cpus < 1:
-        gpu = "" if has_gpus else " and no GPU"
-        raise RayBackendError(
-            f"--replicas {replicas}: the Ray cluster has {cpus_free:g} CPUs{_busy(cpus_free, total.get('CPU', 0))}"
-            f"{gpu}; {replicas} CPU replicas need {replicas * (cpus_per_replica or 1) + 1} (one each, and one for "
-            "Ray Data's own tasks)"
-        )
-    return ReplicaPlan("cpu", replicas, cpus)
-
-
-def _bundles(free: Sequence[Mapping[str, float]], cpus: int) -> int:
-    """How many bundles of ``cpus`` CPUs the nodes' free CPUs hold (a bundle is never split over nodes)."""
-    return sum(int(node.get("CPU", 0) // cpus) for node in free)
-
-
-def _busy(free: float, total: float) -> str:
-    """`` free (T in all)`` where other work holds part of the cluster: the cause of a refusal, said."""
-    return f" free ({total:g} in all)" if free < total else ""
-
-
-def replica_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """The driver's variables the replicas get, and the ``VLLM_*``/``QMC_*`` ones kept back (names only).
-
-    Passed: every ``QMC_*`` variable but keys (``*_API_KEY``: secrets no replica reads) and the ``VLLM_*``
-    ones of :data:`FORWARDED_VLLM_ENV`. Kept back: the other ``VLLM_*`` (host-specific, e.g. ``VLLM_HOST_IP``).
-    """
-    env, kept = {}, []
-    for key, value in environ.items():
-        if (key.startswith("QMC_") and not key.endswith("_API_KEY")) or key in FORWARDED_VLLM_ENV:
-            env[key] = value
-        elif key.startswith(("QMC_", "VLLM_")):
-            kept.append(key)
-    return env, sorted(kept)
-
-
-class CpuReplica(NamedTuple):
-    """A vLLM replica's settings on CPUs without a GPU, as Ray's LLM configs take them (:func:`cpu_replica`)."""
-
-    placement_group_config: dict[str, Any]
-    env_vars: dict[str, str]
-    engine_kwargs: dict[str, Any]
-
-
-def cpu_replica(cpus: int) -> CpuReplica:
-    """What a vLLM replica on ``cpus`` CPUs and no GPU needs from Ray: a placement bundle of the CPUs,
-    as many OpenMP threads, unbound (engines on one machine would otherwise bind their threads to the
-    same cores), and eager mode.
-
-    The docs' recipes (``eval/ray_recipe.py``, ``eval/ray_serve_recipe.py``) write these settings out
-    for one CPU, so that each reads, and is copied, whole; ``tests/eval/test_ray_plan.py`` checks that
-    they agree with this.
-    """
-    return CpuReplica(
-        placement_group_config={"bundles": [{"CPU": cpus}]},
-        env_vars={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cpus)},
-        engine_kwargs={"enforce_eager": True},
-    )
-
-
-def rows_per_engine(request_ids: Iterable[int]) -> list[int]:
-    """How many rows each vLLM engine served, most first, from the rows' ``request_id``.
-
-    Ray Data's vLLM stage numbers the requests of each engine 0, 1, 2, …, so the number
-    of rows numbered ``i`` is the number of engines that served more than ``i`` rows,
-    and each engine's count is read off those numbers (the conjugate partition). An
-    engine restarted after a crash starts again at 0 and counts as another engine.
-    Exact when no engine died mid-batch (a lost batch leaves a gap in its numbers).
-    """
-    counts = Counter(request_ids)
-    return _engine_rows([counts[i] for i in range(max(counts, default=-1) + 1)])
-
-
-def _engine_rows(numbered: Sequence[int]) -> list[int]:
-    """:func:`rows_per_engine` from ``numbered[i]`` = the rows whose ``request_id`` is ``i``."""
-    engines = numbered[0] if numbered else 0
-    return [sum(1 for c in numbered if c >= e) for e in range(1, engines + 1)]
-
-
-def finish_reason(tokens: list[int], text: str, max_tokens: int, stop: Iterable[str], stop_ids: set[int]) -> str:
-    """vLLM's ``finish_reason`` of a finished member, from its tokens (the stage does not return it).
-
-    vLLM (0.32, ``v1/core/sched/utils.py::check_stop``) stops with ``stop`` on an EOS or
-    stop token before it checks the length, and a stop string (kept in the text:
-    ``include_stop_str_in_output``) is ``stop`` as well; otherwise a member with
-    ``max_tokens`` tokens was cut at the length. (A member cut by the model's context
-    length instead is reported ``stop``: the prompts of evaluation tasks are short.)
-    """
-    if tokens and tokens[-1] in stop_ids:
-        return "stop"
-    if len(tokens) >= max_tokens and not any(s and text.endswith(s) for s in stop):
-        return "length"
-    return "stop"
-
-
-@dataclass(frozen=True)
-class MemberTable:
-    """The run's members as flat arrays, one entry per group: what the rows are made from, in Ray tasks.
-
-    Member serial ``s`` (``0 ≤ s <`` :attr:`rows`) is member ``s - starts[j]`` of group ``j``, where
-    ``starts[j] ≤ s < starts[j + 1]``. Each distinct prompt's token ids are stored once
-    (``tokens[bounds[p]:bounds[p + 1]]``, ``p = prompt_of[j]``), not once per member: the samplers
-    of a run share their problems' prompts, and a group's n members share one.
-
-    Attributes:
-        starts: ``[groups + 1]`` int64, the serial of each group's member 0 (and the total last).
-        prompt_of: ``[groups]`` int64, each group's prompt. tokens: ``[Σ prompt lengths]`` int64.
-        bounds: ``[prompts + 1]`` int64, each prompt's span in ``tokens``.
-        xargs: each group's ``extra_args`` but ``qmc_index`` (:func:`member_xargs`).
-        sampling: each group's sampling parameters (``n = 1``, stop strings kept in the text).
-    """
-
-    starts: np.ndarray
-    prompt_of: np.ndarray
-    tokens: np.ndarray
-    bounds: np.ndarray
-    xargs: tuple[dict[str, Any], ...]
-    sampling: tuple[dict[str, Any], ...]
-
-    @classmethod
-    def build(cls, jobs: Sequence[GroupJob], tokenizer: Any) -> MemberTable:
-        """Tokenize each distinct prompt of ``jobs`` once (:func:`prompt_token_ids`) and number the members."""
-        prompts: dict[str, int] = {}
-        pieces: list[list[int]] = []
-        samplings: dict[int, dict[str, Any]] = {}  # by id(): the runner's jobs share one dict
-        prompt_of, xargs, sampling = [], [], []
-        for job in jobs:
-            key = repr(job.messages) if job.messages is not None else "\0" + str(job.prompt)
-            if key not in prompts:
-                prompts[key] = len(pieces)
-                pieces.append(prompt_token_ids(tokenizer, job))
-            prompt_of.append(prompts[key])
-            xargs.append({k: v for k, v in member_xargs(job, 0).items() if k != "qmc_index"})
-            if id(job.sampling) not in samplings:
-                samplings[id(job.sampling)] = {**job.sampling, "n": 1, "include_stop_str_in_output": True}
-            sampling.append(samplings[id(job.sampling)])
-        return cls(
-            starts=np.concatenate([[0], np.cumsum([job.n for job in jobs], dtype=np.int64)]).astype(np.int64),
-            prompt_of=np.asarray(prompt_of, dtype=np.int64),
-            tokens=np.asarray([t for piece in pieces for t in piece], dtype=np.int64),
-            bounds=np.concatenate([[0], np.cumsum([len(piece) for piece in pieces], dtype=np.int64)]).astype(np.int64),
-            xargs=tuple(xargs),
-            sampling=tuple(sampling),
-        )
-
-    @property
-    def rows(self) -> int:
-        """Members (rows) in all."""
-        return int(self.starts[-1])
-
-    def row(self, serial: int) -> dict[str, Any]:
-        """Member ``serial``'s row: its prompt's token ids and its sampling parameters.
-
-        ``extra_args`` are the member's explicit place in its group; every row has the same keys, none
-        null (Arrow unifies the rows' nested structs). ``qmc_job`` and ``qmc_member`` say which member a
-        row is when it comes back.
-        """
-        j = int(np.searchsorted(self.starts, serial, side="right")) - 1
-        member, p = serial - int(self.starts[j]), int(self.prompt_of[j])
-        return {
-            "qmc_job": j,
-            "qmc_member": member,
-            "tokenized_prompt": self.tokens[self.bounds[p] : self.bounds[p + 1]].tolist(),
-            "sampling_params": {**self.sampling[j], "extra_args": {**self.xargs[j], "qmc_index": member}},
-        }
-
-
-def _member_rows(batch: dict[str, np.ndarray], table: MemberTable) -> Any:
-    """Ray Data map (runs in a Ray task): a block of member serials (``ray.data.range``) → their rows."""
-    import pyarrow as pa
-
-    return pa.Table.from_pylist([table.row(int(serial)) for serial in batch["id"]])
-
-
-def _member_output(row: dict[str, Any]) -> dict[str, Any]:
-    """Ray Data postprocess (runs in a Ray task): keep what the driver needs of an output row."""
-    return {
-        "qmc_job": row["qmc_job"],
-        "qmc_member": row["qmc_member"],
-        "text": row["generated_text"],
-        "tokens": [int(t) for t in row["generated_tokens"]],
-        "request_id": row["request_id"],
-        "admitted": PLUGIN_MARKER in row["params"],
-    }
-
-
-class _Groups:
-    """The driver's results: the completions of the groups still open, and one byte per finished group.
-
-    A group's completions are handed to ``on_group`` (and dropped) as its last member comes in, so
-    what is held is bounded by the rows in flight, not by the run. Request ids are tallied in one
-    array (4 bytes per id an engine handed out) for :func:`rows_per_engine`.
-    """
-
-    def __init__(self, jobs: Sequence[GroupJob], on_group: OnGroup, stop_ids: set[int]) -> None:
-        self.jobs, self.on_group, self.stop_ids = jobs, on_group, stop_ids
-        self.finished = bytearray(len(jobs))
-        self.open: dict[int, dict[int, Completion]] = {}
-        self.numbered = array("I")  # numbered[i]: the rows whose request_id is i
-        self.duplicates = 0
-        self.kept = 0
-
-    def add(self, row: Mapping[str, Any]) -> None:
-        """Take one output row of the stage (after :func:`_member_output`)."""
-        j, member = int(row["qmc_job"]), int(row["qmc_member"])
-        job = self.jobs[j]
-        if not row["admitted"]:
-            raise RayBackendError(
-                f"a Ray replica does not run the qmc-sampler plugin (member {member} of {job.group_id} was "
-                f"admitted without it): install qmc-sampler where the replicas run"
-            )
-        got = self.open.setdefault(j, {}) if not self.finished[j] else None
-        if got is None or member in got:
-            self.duplicates += 1
-            return
-        request = int(row["request_id"])
-        if request >= len(self.numbered):
-            self.numbered.extend([0] * (request + 1 - len(self.numbered)))
-        self.numbered[request] += 1
-        text, tokens = row["text"], list(row["tokens"])
-        reason = finish_reason(tokens, text, job.sampling["max_tokens"], job.sampling.get("stop", ()), self.stop_ids)
-        got[member] = Completion(text, reason, tuple(tokens))
-        self.kept += 1
-        if len(got) == job.n:
-            del self.open[j]
-            self.finished[j] = 1
-            self.on_group(job, [got[m] for m in range(job.n)])
-
-    def engine_rows(self) -> list[int]:
-        return _engine_rows(self.numbered)
 
 
 class RayBackend:
@@ -585,10 +259,11 @@ class RayBackend:
         )
 
     def stage(self) -> Callable[[Any], Any]:
-        """Ray Data's vLLM stage on the replicas, rows in and :func:`_member_output` rows out (a Dataset map)."""
+        """Ray Data's vLLM stage on the replicas, rows in and
+        :func:`~qmc_sampler.eval.ray_rows.member_output` rows out (a Dataset map)."""
         from ray.data.llm import build_processor
 
-        return build_processor(self.processor_config(), postprocess=_member_output)
+        return build_processor(self.processor_config(), postprocess=member_output)
 
     # ---- generation -------------------------------------------------------
     def run(self, jobs: Iterable[GroupJob], on_group: OnGroup) -> None:
@@ -607,7 +282,7 @@ class RayBackend:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model)
-        groups = _Groups(jobs, on_group, _stop_token_ids(self.model, tokenizer))
+        groups = GroupResults(jobs, on_group, _stop_token_ids(self.model, tokenizer))
         table = MemberTable.build(jobs, tokenizer)
         context = ray.data.DataContext.get_current()
         saved = (context.enable_progress_bars, context.wait_for_min_actors_s)
@@ -618,7 +293,7 @@ class RayBackend:
             # The rows are made in Ray tasks as the stage takes them, a block per batch: Ray Data hands each
             # task its input blocks, so one big block would be one task on one replica.
             serials = ray.data.range(table.rows, override_num_blocks=-(-table.rows // self.batch_size))
-            rows = serials.map_batches(_member_rows, fn_kwargs={"table": table}, batch_size=None)
+            rows = serials.map_batches(member_rows, fn_kwargs={"table": table}, batch_size=None)
             for row in self.stage()(rows).iter_rows():
                 groups.add(row)
         except RayBackendError:

@@ -25,6 +25,9 @@ i.i.d. (``design="iid"``) gives both guarantees in either mode.
 :class:`~qmc_sampler.eval.endpoints.EndpointBackend`, :class:`HostBackend` for a
 logits function); every round of every unfinished prompt goes to the backend at
 once, and the engine's prefix cache keeps each prompt's KV blocks between rounds.
+
+Longer than our ~400 lines on purpose: both modes share the round loop, and what each
+guarantees is stated beside the code that keeps it.
 """
 
 from __future__ import annotations

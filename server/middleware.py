@@ -9,6 +9,9 @@ picks (vLLM's ``X-data-parallel-rank``; the plugin numbers children in their eng
 and a log line (:mod:`.observability`). Also ``GET /stats``, the start-up plugin
 check, and a graceful SIGTERM (503 to new requests, ``--shutdown-timeout`` for running
 ones, then aborts that still end each response properly).
+
+Longer than our ~400 lines on purpose: one request's state runs through its body, its response
+and its stream here; the pure parts live in :mod:`.fields`, :mod:`.admission` and :mod:`.observability`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ the group key, kind (explicit, request, auto: :mod:`qmc_sampler.members.placemen
 size into ``extra_args`` as :class:`~qmc_sampler.members.placement.GroupArgs`
 (docs/internals.md, "Admission"), which :func:`read_request` reads back in the worker;
 :func:`prompt_seed` seeds prompt i of a multi-prompt completion request.
+
+Longer than our ~400 lines on purpose: what a request may ask is one contract (its keys, the
+engine-wide defaults, the front end's resolve and the worker's read-back), validated in one place.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from qmc_sampler.eval.samples import read_samples
 pytestmark = pytest.mark.vllm
 #: The replicas' engines: the model in the actor's own process (no worker process to start, as the
 #: suite's servers do), a 1 GiB KV cache each. The raylet passes them to every actor it starts; the
-#: backend forwards these two from a driver's environment too (eval/ray_backend.py FORWARDED_VLLM_ENV).
+#: backend forwards these two from a driver's environment too (eval/ray_plan.py FORWARDED_VLLM_ENV).
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: Three plain prompts of the tiny model's corpus, each with a regex on its first token that holds
 #: for a good share of samples (q ≈ 0.47, 0.67, 0.15), so correctness varies from member to member.

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("ray.data", reason="ray extra not installed: pip install 'qmc-sampler[ray]'")
 
 from qmc_sampler.eval.generation import GroupJob, prompt_token_ids
-from qmc_sampler.eval.ray_backend import RayBackend, _member_output
+from qmc_sampler.eval.ray_backend import RayBackend
+from qmc_sampler.eval.ray_rows import member_output
 
 #: 3 samplers × 521 problems × 64 members: 100,032 rows, the issue's run of 3 × 1,000 × 64 at half size.
 SAMPLERS, PROBLEMS, N = ("iid", "lattice", "sobol"), 521, 64
@@ -53,7 +54,7 @@ def _answer(row: dict) -> dict:
 
 class StandInStage(RayBackend):
     def stage(self):
-        return lambda rows: rows.map(_answer).map(_member_output)
+        return lambda rows: rows.map(_answer).map(member_output)
 
 
 def test_the_driver_holds_open_groups_only_not_the_runs_rows(ray_local, tiny_model_dir):

@@ -5,18 +5,16 @@ import sys
 
 import pytest
 from qmc_sampler.eval.generation import GroupJob, prompt_token_ids
-from qmc_sampler.eval.ray_backend import (
+from qmc_sampler.eval.ray_backend import RayBackend
+from qmc_sampler.eval.ray_plan import (
     FORWARDED_VLLM_ENV,
-    MemberTable,
-    RayBackend,
     RayBackendError,
     ReplicaPlan,
     cpu_replica,
-    finish_reason,
     plan_replicas,
     replica_env,
-    rows_per_engine,
 )
+from qmc_sampler.eval.ray_rows import MemberTable, finish_reason, rows_per_engine
 
 
 def nodes(*cpus_gpus: tuple[float, float]) -> list[dict[str, float]]:
