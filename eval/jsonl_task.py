@@ -91,7 +91,7 @@ def _read(path: Path, numeric: bool) -> list[dict[str, Any]]:
             try:
                 numeric_answer(str(row["answer"]))
             except ValueError:
-                message = f"{where}: field 'answer'={row['answer']!r} holds no number (verifier 'numeric')"
+                message = f"{where}: field 'answer'={row['answer']!r} is not one number (verifier 'numeric')"
                 raise TaskFileError(message) from None
         row.setdefault("id", len(rows))
         if row["id"] in seen:

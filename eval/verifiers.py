@@ -39,6 +39,8 @@ __all__ = ["ENTRY_POINT_GROUP", "VERIFIERS", "Verifier", "load_verifier", "norma
 ENTRY_POINT_GROUP = "qmc_sampler.verifiers"
 Verifier = Callable[[str, str, dict[str, Any]], "bool | Verdict"]
 _NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+#: A reference answer for ``numeric``: one number, whole (commas only between groups of three digits).
+_ONE_NUMBER = re.compile(r"[-+]?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def normalize(text: str) -> str:
@@ -81,13 +83,15 @@ def numeric(completion: str, answer: str, problem: dict[str, Any]) -> Verdict:
 
 
 def numeric_answer(answer: str) -> float:
-    """The reference number of an answer for :func:`numeric` (its last number, as in a completion).
+    """The reference number of an answer for :func:`numeric`: the answer is one finite number,
+    whole (``42``, ``-3.5``, ``$1,024``, ``1e-07``; not ``.5``, ``3/4``, ``1,2`` or ``42 apples``).
 
     Raises:
-        ValueError: the answer holds no number.
+        ValueError: the answer is not one finite number.
     """
-    want = _number(answer)
-    if want is None:
+    text = answer.strip()
+    want = float(text.replace(",", "").replace("$", "")) if _ONE_NUMBER.fullmatch(text) else math.nan
+    if not math.isfinite(want):
         raise ValueError(f"answer {answer!r} is not a number (verifier 'numeric')")
     return want
 

@@ -142,6 +142,17 @@ def reference_processed_probs(
     return q / q.sum()
 
 
+def row_filters(batch: int, temperature: float, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, ...]:
+    """One setting for every row: ``[batch]`` temperature, top-k, top-p and min-p, as the kernels take them."""
+    return tuple(torch.full((batch,), value) for value in (temperature, top_k, top_p, min_p))
+
+
+@pytest.fixture(scope="session", name="row_filters")
+def row_filters_fixture():
+    """:func:`row_filters` as a fixture."""
+    return row_filters
+
+
 @pytest.fixture(scope="session")
 def processed_reference():
     """:func:`reference_processed_probs` as a fixture (tests cannot import conftest)."""
@@ -402,8 +413,9 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
     ``env`` (default: this process's) runs the model in the engine-core process unless it sets
     ``VLLM_ENABLE_V1_MULTIPROCESSING``. Its output goes to ``log_path``; on exit the process is
     terminated (if it still runs) and then its whole process group is killed, so no engine process
-    outlives the test. With ``warm`` (a :class:`warm_python.WarmPython`), a ``python -m …`` command
-    starts in a fork of it, its libraries imported (the engine core still starts as vLLM starts it).
+    outlives the test. With ``warm`` (a function giving a :class:`warm_python.WarmPython`), a
+    ``python -m …`` command starts in a fork of it, its libraries imported, where the fork starts
+    as a fresh ``python`` would (the engine core still starts as vLLM starts it).
     """
     import os
     import signal
@@ -413,10 +425,11 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
     port = free_port()
     env = dict(env or os.environ)
     env.setdefault(*ENGINE_CORE_RUNS_THE_MODEL)
-    log = open(log_path, "w")
-    if warm is not None and command[:2] == [sys.executable, "-m"]:
-        process = warm.start([*command[1:], "--port", str(port)], output=log_path, env=env)
+    log = None
+    if warm is not None and command[:2] == [sys.executable, "-m"] and warm().forks_as_fresh(env):
+        process = warm().start([*command[1:], "--port", str(port)], output=log_path, env=env)
     else:  # its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL
+        log = open(log_path, "w")
         process = subprocess.Popen(
             [*command, "--port", str(port)],
             stdout=log,
@@ -429,15 +442,14 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
         wait_for_http(f"{url}/health", process, timeout=timeout, log=Path(log_path))
         yield process, url
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
+        with contextlib.suppress(subprocess.TimeoutExpired, RuntimeError):  # (RuntimeError: its warm Python is gone)
+            if process.poll() is None:
+                process.terminate()
                 process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left
-        log.close()
+        if log is not None:
+            log.close()
 
 
 @pytest.fixture(scope="session")
@@ -539,14 +551,22 @@ def warm_python():
 
 @pytest.fixture(scope="session")
 def warm_server_python():
-    """The same for the servers the worker starts (:func:`serve`), vLLM's OpenAI server imported
-    too; made when a module first starts a server (a mutant's pytest, say, never does)."""
-    module = warm_python_module()
-    server = module.WarmPython(preload=module.SERVER_PRELOAD)
+    """A function giving the worker's warm Python for the servers it starts (:func:`serve`), with
+    vLLM's OpenAI server imported too; made when a module first starts a server (a mutant's
+    pytest, say, never does)."""
+    made = []
+
+    def get():
+        if not made:
+            module = warm_python_module()
+            made.append(module.WarmPython(preload=module.SERVER_PRELOAD))
+        return made[0]
+
     try:
-        yield server
+        yield get
     finally:
-        server.close()
+        for server in made:
+            server.close()
 
 
 def warm_python_module():

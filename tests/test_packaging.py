@@ -1,6 +1,7 @@
 """The wheel a user installs holds every module of the package: a subpackage missing from
 setup.py still imports in the editable checkout the suite runs on, and fails on a user's machine."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -9,16 +10,26 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: setup.py's package_dir: where each part of the one ``qmc_sampler`` namespace lives in the tree.
-FOLDERS = {"qmc_sampler": "qmc_sampler", "qmc_sampler.vllm_plugin": "vllm_plugin", "qmc_sampler.server": "server",
-           "qmc_sampler.eval": "eval", "qmc_sampler.hf": "hf"}  # fmt: skip
+
+
+def folders() -> dict[str, str]:
+    """setup.py's package_dir: where each part of the one ``qmc_sampler`` namespace lives in the tree."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (doors,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]  # fmt: skip
+    return {"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{name}": folder for name, folder in doors.items()}}
 
 
 def test_the_wheel_holds_every_module_of_the_package(tmp_path):
-    # Built from a copy: setuptools packs what an earlier build left in the tree's build/ too.
+    # Built from a copy of what git has (tracked, or new and not ignored): setuptools packs what an
+    # earlier build left in the tree's build/ too.
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".*", "build", "*.egg-info", "__pycache__", "*.so", "runs", "gpu-check"))  # fmt: skip
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():  # (a file deleted but not yet committed is listed too)
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     env = os.environ | {"QMC_SAMPLER_NO_EXT": "1"}  # the modules, not the kernels' build
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
@@ -30,7 +41,7 @@ def test_the_wheel_holds_every_module_of_the_package(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {
         f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder).as_posix()}"
-        for package, folder in FOLDERS.items()
+        for package, folder in folders().items()
         for path in (ROOT / folder).rglob("*.py")
     }
     assert "qmc_sampler/members/registry.py" in modules and not modules - names, sorted(modules - names)

@@ -124,11 +124,45 @@ def test_what_a_started_run_leaves_and_the_run_itself_end_with_the_warm_python(t
     try:
         started = warm.start(["-c", spawns_a_sleeper(pid_file, "time.sleep(600)\n")], output=tmp_path / "log")
         deadline = time.monotonic() + 30
-        while not pid_file.is_file() and time.monotonic() < deadline:
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         warm.close()
     assert gone(started.pid) and gone(int(pid_file.read_text()))
+
+
+def test_a_warm_python_that_fails_takes_its_started_runs_with_it(tmp_path):
+    warm = warm_python_module.WarmPython(preload=("json",))
+    try:
+        started = warm.start(["-c", "import time; time.sleep(600)"], output=tmp_path / "log")
+        warm._server.stdin.write("not a request\n")  # the server's loop raises
+        warm._server.stdin.flush()
+        assert warm._server.wait(timeout=30) != 0 and gone(started.pid)
+    finally:
+        warm.close()
+
+
+def test_a_run_whose_warm_python_was_killed_is_signalled_by_pidfd_and_its_end_said_loudly(tmp_path):
+    warm = warm_python_module.WarmPython(preload=("json",))
+    try:
+        started = warm.start(["-c", "import time; time.sleep(600)"], output=tmp_path / "log")
+        warm._server.kill()  # no cleanup: the run goes on, its parent gone
+        warm._server.wait(timeout=30)
+        assert started.poll() is None
+        started.kill()
+        with pytest.raises(RuntimeError, match="ended, but its warm Python is gone: no exit status"):
+            started.wait(timeout=30)
+        assert gone(started.pid)
+    finally:
+        warm.close()
+
+
+def test_a_fork_starts_as_fresh_only_where_the_variables_read_at_start_are_the_servers(light):
+    same = dict(light._env)
+    assert light.forks_as_fresh(same | {"VLLM_CPU_KVCACHE_SPACE": "1", "QMC_SAMPLER": "lattice"})
+    for name, value in (("PYTHONPATH", "/elsewhere"), ("PYTHONHASHSEED", "7"), ("OMP_NUM_THREADS", "13")):
+        assert not light.forks_as_fresh(same | {name: value}), name
+    assert not light.forks_as_fresh(same | {"PYTHONSAFEPATH": "1"})
 
 
 def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(tmp_path):

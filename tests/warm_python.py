@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 #: Imported once by the server: what every run would import again (no qmc_sampler among them).
@@ -40,6 +40,10 @@ PRELOAD = (
 )
 #: What a Python that starts vLLM's OpenAI servers imports besides.
 SERVER_PRELOAD = (*PRELOAD, "vllm.entrypoints.openai.api_server")
+
+#: What the interpreter and the preloaded libraries read from the environment as they start (a
+#: fork keeps the server's): a run that sets them otherwise needs a process of its own.
+READ_AT_START = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "TRITON_INTERPRET")
 
 #: What vLLM's logging reads from the environment: a release that configures it on import
 #: configures it again in a run whose environment says otherwise.
@@ -79,93 +83,110 @@ sys.stdout.flush()
 sys.stderr.flush()
 # Started runs (pid: the file its wait status goes to), reaped as they end.
 started = {}
+reaping = {"now": False, "again": False}
 
 
 def reap(*_, block=False):
-    for child, status_path in list(started.items()):
-        try:
-            done, status = os.waitpid(child, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            done, status = child, 255 << 8
-        if done:
-            del started[child]
-            with open(status_path + ".part", "w") as f:
-                f.write(str(status))
-            os.replace(status_path + ".part", status_path)
+    # One reap at a time: a SIGCHLD that comes while one runs (its handler, called between two
+    # bytecodes of it) only asks it to look again.
+    if reaping["now"]:
+        reaping["again"] = True
+        return
+    reaping["now"] = True
+    try:
+        reaping["again"] = True
+        while reaping["again"]:
+            reaping["again"] = False
+            for child in list(started):
+                try:
+                    done, status = os.waitpid(child, 0 if block else os.WNOHANG)
+                except ChildProcessError:  # (no one else waits for a started run)
+                    done, status = child, 255 << 8
+                if done:
+                    status_path = started.pop(child)
+                    with open(status_path + ".part", "w") as f:
+                        f.write(str(status))
+                    os.replace(status_path + ".part", status_path)
+    finally:
+        reaping["now"] = False
 
 
+server_pid = os.getpid()
 signal.signal(signal.SIGCHLD, reap)
 print(json.dumps({"ready": os.getpid()}), file=protocol, flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
-    assert not others, f"the warm python runs threads {others}: a fork would copy them half-way"
-    pid = os.fork()
-    if pid == 0:  # the child: becomes the run, and ends as Python ends
-        code = 1
+try:
+    for line in sys.stdin:
+        request = json.loads(line)
+        others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+        assert not others, f"the warm python runs threads {others}: a fork would copy them half-way"
+        pid = os.fork()
+        if pid == 0:  # the child: becomes the run, and ends as Python ends
+            code = 1
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                protocol.close()
+                os.setpgid(0, 0)  # its own group: it is killed with whatever it started
+                out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                errors = request["errors"]  # (none: stderr into the same file, as stderr=STDOUT)
+                err = os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if errors else os.dup(out)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                for source, target in ((devnull, 0), (out, 1), (err, 2)):
+                    os.dup2(source, target)
+                    os.close(source)
+                sys.stdin = open(0, closefd=False)
+                os.chdir(request["cwd"])
+                os.environ.clear()
+                os.environ.update(set_by_imports | request["env"])
+                if logging_set_on_import and any(environment_before.get(k) != os.environ.get(k) for k in LOGGING_ENV):
+                    sys.modules["vllm.logger"]._configure_vllm_root_logger()
+                sys.path[:] = [*request["path_first"], *base_path]
+                argv = request["argv"]
+                if argv[0] == "-m":
+                    sys.argv = [argv[1], *argv[2:]]
+                    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+                elif argv[0] == "-c":
+                    sys.argv = ["-c", *argv[2:]]
+                    main = types.ModuleType("__main__")
+                    main.__builtins__ = __builtins__
+                    main.__spec__ = None
+                    sys.modules["__main__"] = main
+                    exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+                else:
+                    sys.argv = list(argv)
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python FILE` does
+                    runpy.run_path(argv[0], run_name="__main__")
+                code = 0
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            raise SystemExit(code)  # out of the loop: atexit handlers and threads run as at any exit
         try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            protocol.close()
-            os.setpgid(0, 0)  # its own group: it is killed with whatever it started
-            out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            errors = request["errors"]  # (none: stderr into the same file, as stderr=STDOUT)
-            err = os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if errors else os.dup(out)
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            for source, target in ((devnull, 0), (out, 1), (err, 2)):
-                os.dup2(source, target)
-                os.close(source)
-            sys.stdin = open(0, closefd=False)
-            os.chdir(request["cwd"])
-            os.environ.clear()
-            os.environ.update(set_by_imports | request["env"])
-            if logging_set_on_import and any(environment_before.get(k) != os.environ.get(k) for k in LOGGING_ENV):
-                sys.modules["vllm.logger"]._configure_vllm_root_logger()
-            sys.path[:] = [*request["path_first"], *base_path]
-            argv = request["argv"]
-            if argv[0] == "-m":
-                sys.argv = [argv[1], *argv[2:]]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            elif argv[0] == "-c":
-                sys.argv = ["-c", *argv[2:]]
-                main = types.ModuleType("__main__")
-                main.__builtins__ = __builtins__
-                main.__spec__ = None
-                sys.modules["__main__"] = main
-                exec(compile(argv[1], "<string>", "exec"), main.__dict__)
-            else:
-                sys.argv = list(argv)
-                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python FILE` does
-                runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-            if not isinstance(stop.code, (int, type(None))):
-                print(stop.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        raise SystemExit(code)  # out of the loop: atexit handlers and threads run as at any exit
-    try:
-        os.setpgid(pid, pid)  # (set on both sides: no kill of the group can come before it exists)
-    except OSError:
-        pass
-    print(json.dumps({"pid": pid}), file=protocol, flush=True)
-    if request.get("status"):  # started: it runs on while the server takes the next request
-        started[pid] = request["status"]
-        reap()
-        continue
-    _, status = os.waitpid(pid, 0)
-    try:
-        os.killpg(pid, 9)  # what the run left running (a real process's leftovers would hold its pipes)
-    except ProcessLookupError:
-        pass
-    print(json.dumps({"status": status}), file=protocol, flush=True)
-signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-for child in list(started):  # the server's end is theirs too: none outlives it
-    try:
-        os.killpg(child, 9)
-    except ProcessLookupError:
-        pass
-reap(block=True)
+            os.setpgid(pid, pid)  # (set on both sides: no kill of the group can come before it exists)
+        except OSError:
+            pass
+        print(json.dumps({"pid": pid}), file=protocol, flush=True)
+        if request.get("status"):  # started: it runs on while the server takes the next request
+            started[pid] = request["status"]
+            reap()
+            continue
+        _, status = os.waitpid(pid, 0)
+        try:
+            os.killpg(pid, 9)  # what the run left running (a real process's leftovers would hold its pipes)
+        except ProcessLookupError:
+            pass
+        print(json.dumps({"status": status}), file=protocol, flush=True)
+finally:  # the server's end, however it comes, is the started runs' end too: none outlives it
+    if os.getpid() == server_pid:  # (a forked run leaves the loop by SystemExit: not its business)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in list(started):
+            try:
+                os.killpg(child, 9)
+            except ProcessLookupError:
+                pass
+        reap(block=True)
 """.replace("LOGGING_ENV_NAMES", repr(LOGGING_ENV))
 
 
@@ -179,18 +200,33 @@ class RunTimedOut(subprocess.TimeoutExpired):
 
 
 class WarmProcess:
-    """A run :meth:`WarmPython.start` started: what a test uses of ``subprocess.Popen`` (the warm
-    Python, its parent, reaps it and writes its wait status to ``status``)."""
+    """A run :meth:`WarmPython.start` started: what a test uses of ``subprocess.Popen``. The warm
+    Python, its parent, reaps it and writes its wait status to ``status``; signals go through a
+    pidfd, so none reaches another process that took its pid later.
 
-    def __init__(self, args: list[str], pid: int, status: Path) -> None:
-        self.args, self.pid, self._status = args, pid, status
+    Raises (``poll``, ``wait``): RuntimeError: it ended but its warm Python is gone (no status).
+    """
+
+    def __init__(self, args: list[str], pid: int, status: Path, warm_alive: Callable[[], bool]) -> None:
+        self.args, self.pid, self._status, self._warm_alive = args, pid, status, warm_alive
+        self._pidfd: int | None = os.pidfd_open(pid)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         """Its exit code (``-N`` for signal N) once it has ended, else None."""
-        if self.returncode is None and self._status.is_file():
-            status = int(self._status.read_text())
-            self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if self.returncode is not None:
+            return self.returncode
+        if not self._status.is_file():
+            if self._pidfd is None or not select.select([self._pidfd], [], [], 0)[0]:
+                return None  # running
+            deadline = time.monotonic() + 10  # ended: its status follows once the warm Python reaps it
+            while not self._status.is_file():
+                if not self._warm_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.args[:2]} ended, but its warm Python is gone: no exit status")
+                time.sleep(0.02)
+        status = int(self._status.read_text())
+        self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        self._close()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -203,16 +239,24 @@ class WarmProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """Signal it, unless it has ended (its pid may be another process's by then)."""
+        """Signal it, unless it has ended."""
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def _close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        self._close()
 
 
 def _text(path: Path) -> str:
@@ -232,6 +276,7 @@ class WarmPython:
     """
 
     def __init__(self, env: dict[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> None:
+        self._env = dict(env or os.environ)
         self._scratch = tempfile.TemporaryDirectory(prefix="warm-python-")
         self._log = Path(self._scratch.name) / "server.log"
         self._lines = b""
@@ -241,7 +286,7 @@ class WarmPython:
         with open(self._log, "wb") as log:
             self._server = subprocess.Popen(
                 [sys.executable, "-P", "-c", _SERVER, *preload],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=dict(env or os.environ),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self._env,
                 text=True,
             )  # fmt: skip
         try:
@@ -301,6 +346,13 @@ class WarmPython:
             errors.unlink()
             return done
 
+    def forks_as_fresh(self, env: Mapping[str, str]) -> bool:
+        """Whether a fork given ``env`` starts as a fresh ``python`` would: the ``PYTHON*`` variables and
+        :data:`READ_AT_START` are the server's (a fork keeps what they set, e.g. ``PYTHONPATH``'s
+        ``sys.path``, OpenMP's threads)."""
+        names = {k for k in (*env, *self._env) if k.startswith("PYTHON") or k in READ_AT_START}
+        return all(env.get(k) == self._env.get(k) for k in names)
+
     def start(
         self,
         argv: list[str],
@@ -325,8 +377,8 @@ class WarmPython:
         """
         with self._lock:
             status = self._scratch_file(".status")
-            pid = self._fork(argv, env, cwd, (), output=str(output), errors=None, status=str(status))
-            return WarmProcess(list(argv), pid, status)
+            pid = self._fork(argv, env, cwd, (), output=str(Path(output).absolute()), errors=None, status=str(status))
+            return WarmProcess(list(argv), pid, status, lambda: self._server.poll() is None)
 
     def close(self) -> None:
         """Stop the server (a run in progress is killed with it, and so is every started one)."""

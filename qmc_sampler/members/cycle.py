@@ -56,7 +56,7 @@ class RegistryStats:
     admitted_by_design: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(kw_only=True)  # (a subclass's fields follow: keywords only, whatever the order)
 class DrawCycle:
     """The members in the batch, their rows of :attr:`pool`, and the draw cycle (module docstring).
 

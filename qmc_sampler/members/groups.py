@@ -38,6 +38,15 @@ logger = logging.getLogger("vllm.qmc_sampler")
 
 #: Keys of forgotten children counters are remembered this many times max_open_groups.
 _FORGOTTEN_PER_OPEN = 16
+#: What is logged when an auto group is closed (its ttl or max_open_groups, and the count so far).
+_EXPIRED = (
+    "qmc-sampler: an auto group expired (idle longer than its ttl of %.0f s); a later repeat starts "
+    "it again (a seeded one from member 0, as vLLM's seeded requests repeat). Expired so far: %d"
+)
+_EVICTED = (
+    "qmc-sampler: forgot an idle auto group (more than max_open_groups=%d open); a later "
+    "repeat starts it again (a seeded one from member 0). Evicted so far: %d"
+)
 
 
 def stable_seed(*parts: object) -> int:
@@ -182,14 +191,8 @@ class GroupResolver:
     def _place_auto(self, request: GroupArgs, key: Hashable) -> Placement:
         group = self._auto.get(key)
         if group is not None and group.live == 0 and request.arrival - group.idle_since > request.ttl:
-            del self._auto[key]
             self.stats.auto_expired += 1
-            _log_counted(
-                "qmc-sampler: an auto group expired (idle longer than its ttl of %.0f s); a later repeat starts "
-                "it again (a seeded one from member 0, as vLLM's seeded requests repeat). Expired so far: %d",
-                request.ttl, self.stats.auto_expired,
-            )  # fmt: skip
-            self._closed(key, "expired")
+            self._forget(key, "expired", _EXPIRED, request.ttl, self.stats.auto_expired)
             group = None
         if group is None:
             group = self._open_auto(key, request)
@@ -225,14 +228,14 @@ class GroupResolver:
             if len(self._auto) <= self.max_open_groups:
                 return
             if self._auto[key].live == 0 and key != keep:
-                del self._auto[key]
                 self.stats.auto_evicted += 1
-                _log_counted(
-                    "qmc-sampler: forgot an idle auto group (more than max_open_groups=%d open); a later "
-                    "repeat starts it again (a seeded one from member 0). Evicted so far: %d",
-                    self.max_open_groups, self.stats.auto_evicted,
-                )  # fmt: skip
-                self._closed(key, "evicted")
+                self._forget(key, "evicted", _EVICTED, self.max_open_groups, self.stats.auto_evicted)
+
+    def _forget(self, key: Hashable, why: str, message: str, *args: object) -> None:
+        """Close an auto group: forget it, log ``message % args`` (counted) and report it to ``on_close``."""
+        del self._auto[key]
+        _log_counted(message, *args)
+        self._closed(key, why)
 
     def _closed(self, key: Hashable, why: str) -> None:
         """Report a closed auto group to ``on_close``."""

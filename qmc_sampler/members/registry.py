@@ -28,7 +28,7 @@ __all__ = ["MemberRegistry"]
 logger = logging.getLogger("vllm.qmc_sampler")
 
 
-@dataclass
+@dataclass(kw_only=True)  # (a subclass's fields follow: keywords only, whatever the order)
 class MemberRegistry(DrawCycle):
     """All members of one caller (an engine's processor, a generate call): placement, parking and
     the draw cycle (module docstring).

@@ -25,19 +25,14 @@ def interpreted(monkeypatch):
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "min_p"), [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.05), (1.2, 10, 0.9, 0.0)]
 )
-def test_interpreted_kernel_agrees_with_the_torch_reference(interpreted, temperature, top_k, top_p, min_p):
+def test_interpreted_kernel_agrees_with_the_torch_reference(interpreted, temperature, top_k, top_p, min_p, row_filters):
     gen = torch.Generator().manual_seed(1)
     batch, vocab = 6, 2500
     logits = torch.randn(batch, vocab, generator=gen) * 3
     logits[:, 7:40] = float("-inf")
     u = torch.rand(batch, dtype=torch.float64, generator=gen)
     u[0], u[1] = 0.0, 1 - 2.0**-53
-    args = (
-        torch.full((batch,), temperature),
-        torch.full((batch,), top_k),
-        torch.full((batch,), top_p),
-        torch.full((batch,), min_p),
-    )
+    args = row_filters(batch, temperature, top_k, top_p, min_p)
     got = fused_draw(logits, u, *args, "id")
     ref = inverse_cdf(process_logits(logits, *args), u)
     assert torch.equal(got.tokens, ref.tokens)

@@ -40,17 +40,12 @@ def reference_cdf(logits, t, k, p, m, order):
 @pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), CONFIGS)
 @pytest.mark.parametrize("order", ["id", "sorted"])
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
-def test_cpp_kernel_agrees_with_the_torch_reference(temperature, top_k, top_p, min_p, order, vocab):
+def test_cpp_kernel_agrees_with_the_torch_reference(temperature, top_k, top_p, min_p, order, vocab, row_filters):
     gen = torch.Generator().manual_seed(vocab + top_k)
     batch = 16
     logits = torch.randn(batch, vocab, generator=gen) * 4
     u = torch.rand(batch, dtype=torch.float64, generator=gen)
-    args = (
-        torch.full((batch,), temperature),
-        torch.full((batch,), top_k),
-        torch.full((batch,), top_p),
-        torch.full((batch,), min_p),
-    )
+    args = row_filters(batch, temperature, top_k, top_p, min_p)
     assert_agrees_with_reference(logits, u, args, order)
 
 

@@ -18,6 +18,8 @@ consumes far more than 53 bits. Tests:
 Significance: α = 1e-3 / 8 checks (Bonferroni).
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -89,3 +91,35 @@ def test_a_floor_too_low_for_float64_is_caught_by_the_near_floor_check(monkeypat
     tokens = near_floor_tokens("stratified", UNIFORM, floor)
     counts = np.bincount(tokens, minlength=4)
     assert stats.chisquare(counts, UNIFORM * counts.sum()).pvalue < ALPHA
+
+
+ONE_MINUS = math.nextafter(1.0, 0.0)
+#: (u, F(y⁻), q(y), W, alone width): an inner code, a quotient rounded onto 1.0 or below 0
+#: (clamped into [0, 1)), a tiny q, and W·q landing exactly on the alone width and just below it.
+CARRY_EDGES = [
+    (0.3, 0.25, 0.1, 1.0, 2.0**-32),
+    (0.75, 0.5, 0.25, 1.0, 2.0**-32),
+    (0.5, math.nextafter(0.5, 1.0), 0.5, 1.0, 2.0**-32),
+    (0.5 + 2.0**-45, 0.5, 2.0**-40, 2.0**-10, 2.0**-32),
+    (0.7, 0.5, 0.5, 0.25, 0.125),
+    (0.7, 0.5, 0.5, 0.25, math.nextafter(0.125, 1.0)),
+]
+
+
+def test_the_shared_carry_is_the_formula_row_by_row_at_its_edges():
+    # carry_codes serves the host and the device paths: here against the carry written out in
+    # plain floats (qmc-math.md §2): u ← clamp((u − F(y⁻)) / q(y)) into [0, 1), W ← W·q(y), alone once W < alone.
+    def written_out(u, start, prob, width, alone):
+        width = width * prob
+        return min(max((u - start) / prob, 0.0), ONE_MINUS), width, width < alone
+
+    columns = [torch.tensor(column, dtype=torch.float64) for column in zip(*CARRY_EDGES, strict=True)]
+    code, width, alone_now = group_module.carry_codes(*columns)
+    for j, edge in enumerate(CARRY_EDGES):
+        assert (code[j].item(), width[j].item(), bool(alone_now[j])) == written_out(*edge), edge
+    assert [bool(a) for a in alone_now] == [False, False, False, True, False, True]
+    assert code[1].item() == ONE_MINUS and code[2].item() == 0.0
+    for method in ("lattice", "sobol", "stratified"):  # the alone width is never below the precision floor
+        spec = GroupSpec(method, 4, 0)
+        design = float(group_module.get_design(method).alone_widths(np.array([4]))[0])
+        assert group_module.alone_width(spec) == max(design, group_module.PRECISION_FLOOR)

@@ -33,18 +33,13 @@ def test_the_kernel_under_tritons_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.cuda
-def test_cuda_kernel_agrees_with_the_torch_reference():
+def test_cuda_kernel_agrees_with_the_torch_reference(row_filters):
     gen = torch.Generator().manual_seed(2)
     batch, vocab = 64, 151936
     logits = (torch.randn(batch, vocab, generator=gen) * 3).cuda()
     u = torch.rand(batch, dtype=torch.float64, generator=gen)
     for temperature, top_k, top_p, min_p in [(1.0, 0, 1.0, 0.0), (0.8, 50, 0.9, 0.02)]:
-        args = (
-            torch.full((batch,), temperature),
-            torch.full((batch,), top_k),
-            torch.full((batch,), top_p),
-            torch.full((batch,), min_p),
-        )
+        args = row_filters(batch, temperature, top_k, top_p, min_p)
         got = fused_draw(logits, u, *args, "id")
         ref = inverse_cdf(process_logits(logits.cpu(), *args), u)
         assert (got.tokens.cpu() == ref.tokens).float().mean() > 0.99

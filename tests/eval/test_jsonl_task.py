@@ -7,7 +7,7 @@ import sys
 import pytest
 from qmc_sampler.eval.jsonl_task import JsonlTask, TaskFileError
 from qmc_sampler.eval.tasks import Verdict, get_task
-from qmc_sampler.eval.verifiers import load_verifier, normalize
+from qmc_sampler.eval.verifiers import load_verifier, normalize, numeric_answer
 
 
 def write(tmp_path, rows, name="task.jsonl"):
@@ -88,12 +88,20 @@ def test_a_bad_line_names_the_line_and_the_field(tmp_path, line, message):
         JsonlTask(str(write(tmp_path, [line])))
 
 
-def test_an_answer_without_a_number_is_refused_for_the_numeric_verifier_before_any_sample(tmp_path):
-    rows = [{"prompt": "x", "answer": 42}, {"prompt": "y", "answer": " $1,024.5 "}, {"prompt": "z", "answer": "Paris"}]
-    with pytest.raises(TaskFileError, match=r":3: field 'answer'='Paris' holds no number \(verifier 'numeric'\)"):
-        JsonlTask(str(write(tmp_path, rows)), verifier="numeric")
-    task = JsonlTask(str(write(tmp_path, rows)))  # any answer suits the default verifier
-    assert [p.reference for p in task.problems(3, 0)] == ["42", " $1,024.5 ", "Paris"]
+NUMBERS = [42, -3.5, 1e-07, " $1,024.5 ", "-7", "+2e3", "1,000,000"]
+NOT_NUMBERS = ["Paris", ".5", "3/4", "1,2", "1_000", "\u22123", "42 apples", "1e999", 10**400]
+
+
+def test_an_answer_that_is_not_one_number_is_refused_for_the_numeric_verifier_before_any_sample(tmp_path):
+    rows = [{"prompt": "x", "answer": answer} for answer in NUMBERS]
+    task = JsonlTask(str(write(tmp_path, rows)), verifier="numeric")
+    got = [numeric_answer(p.reference) for p in task.problems(len(rows), 0)]
+    assert got == [42.0, -3.5, 1e-07, 1024.5, -7.0, 2000.0, 1e6]
+    for bad in NOT_NUMBERS:
+        path = write(tmp_path, [*rows, {"prompt": "z", "answer": bad}])
+        with pytest.raises(TaskFileError, match=rf":{len(rows) + 1}: field 'answer'=.* is not one number \(verifier"):
+            JsonlTask(str(path), verifier="numeric")
+        assert JsonlTask(str(path)).problems(len(rows) + 1, 0)[-1].reference == str(bad)  # any suits answer_tag
 
 
 def test_repeated_ids_and_empty_files_are_refused(tmp_path):
