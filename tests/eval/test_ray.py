@@ -290,17 +290,19 @@ def test_bad_ray_options_are_one_line_and_exit_code_2(ray_cluster, http_helpers,
 def test_without_a_model_the_default_one_is_found_once_the_cluster_is_checked(ray_cluster, tmp_path, monkeypatch):
     from qmc_sampler.eval.ray_backend import RayBackendError
 
-    from qmc_sampler.models import DEFAULT_MODEL_NAME
+    from qmc_sampler.models import DEFAULT_MODEL_NAME, cache_root
 
+    suite_cache = cache_root()  # (.ci/run: empty when the suite starts; one conversion serves every test)
     monkeypatch.setenv("QMC_SAMPLER_CACHE", str(tmp_path / "cache"))
     with pytest.raises(RayBackendError, match="--replicas 9: the Ray cluster has 4 CPUs"):
         RayBackend(None, replicas=9).connect()  # this process's cluster: too small, so nothing converted
     assert not (tmp_path / "cache").exists()
+    monkeypatch.setenv("QMC_SAMPLER_CACHE", str(suite_cache))
     backend = RayBackend(None, replicas=2)
-    assert "2 vLLM replica(s) on CPU" in backend.connect()
+    assert "2 vLLM replica(s) on CPU" in backend.connect()  # (converted here if no test did before)
     assert (
-        backend.model == str(tmp_path / "cache" / DEFAULT_MODEL_NAME)
-        and (tmp_path / "cache" / DEFAULT_MODEL_NAME / "config.json").is_file()
+        backend.model == str(suite_cache / DEFAULT_MODEL_NAME)
+        and (suite_cache / DEFAULT_MODEL_NAME / "config.json").is_file()
     )
 
 
