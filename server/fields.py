@@ -17,10 +17,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from qmc_sampler.vllm_plugin.request_args import ENV_AUTO_GROUP, check_extra_args
-
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.limits import MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int, is_int
+from qmc_sampler.members.keys import ENV_AUTO_GROUP, check_extra_args
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_other_route", "plan_request"]

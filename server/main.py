@@ -148,7 +148,7 @@ def _apply_defaults(args: Any, parser: Any) -> None:
         print(f"qmc-serve: API key set; {where}", flush=True)
     # The plugin's drop-in gives every route's sampled requests the server's design (auto groups of
     # n = 1 repeats, one group per n > 1 request), not only the two routes the middleware maps.
-    from qmc_sampler.vllm_plugin.request_args import ENV_METHOD
+    from qmc_sampler.members.keys import ENV_METHOD
 
     if os.environ.get(ENV_METHOD, args.sampler) != args.sampler:
         print(f"qmc-serve: --sampler {args.sampler} replaces {ENV_METHOD}={os.environ[ENV_METHOD]}", flush=True)

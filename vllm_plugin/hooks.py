@@ -118,7 +118,9 @@ def _record_engine_facts_at_verify() -> None:
 
 def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> Any:
     """The facts for one engine, warning once per engine where the plugin cannot act at all."""
-    from qmc_sampler.vllm_plugin.request_args import ENV_METHOD, EngineFacts
+    from qmc_sampler.vllm_plugin.request_args import EngineFacts
+
+    from qmc_sampler.members.keys import ENV_METHOD
 
     facts = EngineFacts(
         speculative=speculative_config is not None,

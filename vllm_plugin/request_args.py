@@ -1,17 +1,16 @@
 """Per-request arguments of the plugin: parsing and validation at admission.
 
 Requests choose a design through ``SamplingParams.extra_args`` (offline) or ``vllm_xargs``
-(OpenAI server), the ``qmc_*`` keys (:data:`KEYS`); the ``QMC_SAMPLER*`` variables
-(:data:`ENV_METHOD`, :data:`ENV_ORDER`, :data:`ENV_AUTO_GROUP`, :data:`ENV_GROUP_TTL`) set
-engine-wide defaults — both tables are in docs/serving.md. :func:`check_extra_args` validates a
-request's keys; :func:`resolve` runs in vLLM's front-end before the ``n > 1`` fan-out and writes
-the group key, kind (explicit, request, auto: :mod:`qmc_sampler.members.placement`), seed and
-size into ``extra_args`` as :class:`~qmc_sampler.members.placement.GroupArgs`
-(docs/internals.md, "Admission"), which :func:`read_request` reads back in the worker;
-:func:`prompt_seed` seeds prompt i of a multi-prompt completion request.
+(OpenAI server), the ``qmc_*`` keys; the ``QMC_SAMPLER*`` variables set engine-wide defaults
+(both, and the keys' validation, in :mod:`qmc_sampler.members.keys`). :func:`resolve` runs in
+vLLM's front-end before the ``n > 1`` fan-out and writes the group key, kind (explicit, request,
+auto: :mod:`qmc_sampler.members.placement`), seed and size into ``extra_args`` as
+:class:`~qmc_sampler.members.placement.GroupArgs` (docs/internals.md, "Admission"), which
+:func:`read_request` reads back in the worker; :func:`prompt_seed` seeds prompt i of a
+multi-prompt completion request.
 
-Longer than our ~400 lines on purpose: what a request may ask is one contract (its keys, the
-engine-wide defaults, the front end's resolve and the worker's read-back), validated in one place.
+A little over our ~400 lines: admission is one path (the front end's resolve, the engine facts
+it needs and the worker's read-back), kept together.
 """
 
 from __future__ import annotations
@@ -38,21 +37,22 @@ from typing import Any
 from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
-from qmc_sampler.limits import MAX_GROUP_ID_LENGTH, MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int, is_int
+from qmc_sampler.limits import SEED_MAX, SEED_MIN, check_int, is_int
 from qmc_sampler.members.groups import stable_seed
+from qmc_sampler.members.keys import (
+    ENV_AUTO_GROUP,
+    ENV_GROUP_TTL,
+    ENV_METHOD,
+    ENV_ORDER,
+    ENV_SALT,
+    check_extra_args,
+)
 from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, REQUEST, GroupArgs
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = [
-    "ENV_AUTO_GROUP",
-    "ENV_GROUP_TTL",
-    "ENV_METHOD",
-    "ENV_ORDER",
-    "ENV_SALT",
-    "KEYS",
     "EngineFacts",
     "admitting",
-    "check_extra_args",
     "engine_facts",
     "install_prompt_marks",
     "instance_salt",
@@ -63,13 +63,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.qmc_sampler")
-
-ENV_METHOD = "QMC_SAMPLER"
-ENV_ORDER = "QMC_SAMPLER_ORDER"
-ENV_AUTO_GROUP = "QMC_SAMPLER_AUTO_GROUP"
-ENV_GROUP_TTL = "QMC_SAMPLER_GROUP_TTL"
-ENV_SALT = "QMC_SAMPLER_SALT"
-KEYS = ("qmc_method", "qmc_seed", "qmc_order", "qmc_group", "qmc_index", "qmc_n", "qmc_auto_group")
 
 # Written by `resolve` for the worker; not for users.
 _PRIVATE = "_qmc"
@@ -141,58 +134,6 @@ def _process_salt() -> int:
 def _fresh_seed() -> int:
     """A new group seed for a request without one: counter-based, salted per process."""
     return counter_seed(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))
-
-
-def check_extra_args(extra: dict[str, Any]) -> None:
-    """Validate the plugin's keys in a flat ``extra_args`` / ``vllm_xargs`` dict, bounds included.
-
-    Seeds and integer group ids are 64-bit words (``qmc_sampler.limits``), ``qmc_n`` is at
-    most ``MAX_GROUP_SIZE``, a string ``qmc_group`` at most ``MAX_GROUP_ID_LENGTH``
-    characters: nothing the engine computes from them grows with a value a client chose.
-
-    Raises:
-        ValueError: naming the key and its allowed values.
-    """
-    unknown = sorted(k for k in extra if k.startswith("qmc_") and k not in KEYS)
-    if unknown:
-        raise ValueError(f"unknown extra_args/vllm_xargs key {unknown[0]!r}; the plugin's keys are {list(KEYS)}")
-    method = extra.get("qmc_method")
-    if method is not None and method not in METHODS:
-        raise ValueError(f"vllm_xargs 'qmc_method'={method!r} is not a design; use one of {list(METHODS)}")
-    order = extra.get("qmc_order")
-    if order is not None and order not in ORDERS:
-        raise ValueError(f"vllm_xargs 'qmc_order'={order!r} is not a vocabulary order; use one of {list(ORDERS)}")
-    seed = extra.get("qmc_seed")
-    if seed is not None:
-        check_int("vllm_xargs 'qmc_seed'", seed, SEED_MIN, SEED_MAX)
-    group = extra.get("qmc_group")
-    if group is not None:
-        if isinstance(group, str):
-            if not 1 <= len(group) <= MAX_GROUP_ID_LENGTH:
-                raise ValueError(
-                    f"vllm_xargs 'qmc_group' is a string of {len(group)} characters; use 1 to "
-                    f"{MAX_GROUP_ID_LENGTH}, or an integer"
-                )
-        elif not is_int(group) or not SEED_MIN <= group <= SEED_MAX:
-            raise ValueError(
-                f"vllm_xargs 'qmc_group'={group!r} must be a string of 1 to {MAX_GROUP_ID_LENGTH} characters "
-                f"or an integer between {SEED_MIN} and {SEED_MAX}"
-            )
-    n = extra.get("qmc_n")
-    if n is not None:
-        check_int("vllm_xargs 'qmc_n'", n, 1, MAX_GROUP_SIZE)
-    index = extra.get("qmc_index")
-    if index is not None:
-        check_int("vllm_xargs 'qmc_index'", index, 0, MAX_GROUP_SIZE - 1)
-        if group is None or n is None:
-            raise ValueError("vllm_xargs 'qmc_index' needs 'qmc_group' and 'qmc_n' (the group it is a member of)")
-        if index >= n:
-            raise ValueError(f"vllm_xargs 'qmc_index'={index} must be < 'qmc_n'={n}")
-    if (group is None) != (n is None):
-        raise ValueError("vllm_xargs 'qmc_group' and 'qmc_n' go together: give both or neither")
-    auto = extra.get("qmc_auto_group")
-    if auto is not None and (not isinstance(auto, int) or auto not in (0, 1)):  # False/True are 0/1 here
-        raise ValueError(f"vllm_xargs 'qmc_auto_group'={auto!r} must be 0 or 1")
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@
 Used by every door that draws group members — the vLLM plugin and transformers' ``generate``
 (``qmc_sampler.hf``) — and knowing none of them:
 
+* :mod:`~qmc_sampler.members.keys` — the request contract: the ``qmc_*`` keys, the
+  ``QMC_SAMPLER*`` variables, :func:`check_extra_args`;
 * :mod:`~qmc_sampler.members.placement` — the group kinds, a request's :class:`GroupArgs`
   and its :class:`Placement`;
 * :mod:`~qmc_sampler.members.groups` — :class:`GroupResolver`: who is which member;

@@ -153,7 +153,9 @@ def _salted(request, salt):
 
 
 def test_two_replicas_given_lm_evals_seeded_repeats_alternately_build_no_equal_group(monkeypatch):
-    from qmc_sampler.vllm_plugin.request_args import ENV_SALT, instance_salt
+    from qmc_sampler.vllm_plugin.request_args import instance_salt
+
+    from qmc_sampler.members.keys import ENV_SALT
 
     monkeypatch.delenv(ENV_SALT, raising=False)
     # Two replicas started alike (engine seed 0, rank 0), each with its front end's instance salt;
@@ -172,7 +174,9 @@ def test_two_replicas_given_lm_evals_seeded_repeats_alternately_build_no_equal_g
 
 @pytest.mark.parametrize("raw", ["-1", "x", str(2**64)])
 def test_a_bad_pinned_salt_is_refused_naming_the_variable(monkeypatch, raw):
-    from qmc_sampler.vllm_plugin.request_args import ENV_SALT, instance_salt
+    from qmc_sampler.vllm_plugin.request_args import instance_salt
+
+    from qmc_sampler.members.keys import ENV_SALT
 
     monkeypatch.setenv(ENV_SALT, raw)
     with pytest.raises(ValueError, match="QMC_SAMPLER_SALT"):
