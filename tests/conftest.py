@@ -426,8 +426,9 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
     env = dict(env or os.environ)
     env.setdefault(*ENGINE_CORE_RUNS_THE_MODEL)
     log = None
-    if warm is not None and command[:2] == [sys.executable, "-m"] and warm().forks_as_fresh(env):
-        process = warm().start([*command[1:], "--port", str(port)], output=log_path, env=env)
+    forks = warm() if warm is not None and command[:2] == [sys.executable, "-m"] else None
+    if forks is not None and forks.forks_as_fresh(env):
+        process = forks.start([*command[1:], "--port", str(port)], output=log_path, env=env)
     else:  # its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL
         log = open(log_path, "w")
         process = subprocess.Popen(
@@ -569,8 +570,14 @@ def warm_server_python():
             server.close()
 
 
+@pytest.fixture(scope="session", name="warm_python_lib")
+def warm_python_lib_fixture():
+    """:func:`warm_python_module` as a fixture (tests/test_warm_python.py tests the module itself)."""
+    return warm_python_module()
+
+
 def warm_python_module():
-    """``tests/warm_python.py``, one module object for the suite (tests/test_warm_python.py loads the same)."""
+    """``tests/warm_python.py``, one module object for the suite."""
     import importlib.util
     import sys
 

@@ -1,28 +1,19 @@
 """tests/warm_python.py: a fork per run behaves as a fresh ``python -P`` would."""
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-# The module conftest's warm_python fixture loaded, if it did (one module object for the suite).
-warm_python_module = sys.modules.get("warm_python")
-if warm_python_module is None:
-    _spec = importlib.util.spec_from_file_location("warm_python", Path(__file__).with_name("warm_python.py"))
-    warm_python_module = sys.modules.setdefault("warm_python", importlib.util.module_from_spec(_spec))
-    _spec.loader.exec_module(warm_python_module)
-
 
 @pytest.fixture(scope="module")
-def light():
+def light(warm_python_lib):
     """A warm Python that preloads only the standard library (the protocol, not the imports)."""
-    server = warm_python_module.WarmPython(env=os.environ | {"SERVER_ONLY": "1"}, preload=("json", "decimal"))
+    server = warm_python_lib.WarmPython(env=os.environ | {"SERVER_ONLY": "1"}, preload=("json", "decimal"))
     try:
         yield server
     finally:
@@ -118,8 +109,8 @@ def test_a_started_run_goes_on_beside_other_runs_until_it_ends_or_is_signalled(l
     assert server.wait(timeout=30) == -signal.SIGTERM and server.returncode == -signal.SIGTERM
 
 
-def test_what_a_started_run_leaves_and_the_run_itself_end_with_the_warm_python(tmp_path):
-    warm = warm_python_module.WarmPython(preload=("json",))
+def test_what_a_started_run_leaves_and_the_run_itself_end_with_the_warm_python(tmp_path, warm_python_lib):
+    warm = warm_python_lib.WarmPython(preload=("json",))
     pid_file = tmp_path / "child.pid"
     try:
         started = warm.start(["-c", spawns_a_sleeper(pid_file, "time.sleep(600)\n")], output=tmp_path / "log")
@@ -131,8 +122,8 @@ def test_what_a_started_run_leaves_and_the_run_itself_end_with_the_warm_python(t
     assert gone(started.pid) and gone(int(pid_file.read_text()))
 
 
-def test_a_warm_python_that_fails_takes_its_started_runs_with_it(tmp_path):
-    warm = warm_python_module.WarmPython(preload=("json",))
+def test_a_warm_python_that_fails_takes_its_started_runs_with_it(tmp_path, warm_python_lib):
+    warm = warm_python_lib.WarmPython(preload=("json",))
     try:
         started = warm.start(["-c", "import time; time.sleep(600)"], output=tmp_path / "log")
         warm._server.stdin.write("not a request\n")  # the server's loop raises
@@ -142,8 +133,8 @@ def test_a_warm_python_that_fails_takes_its_started_runs_with_it(tmp_path):
         warm.close()
 
 
-def test_a_run_whose_warm_python_was_killed_is_signalled_by_pidfd_and_its_end_said_loudly(tmp_path):
-    warm = warm_python_module.WarmPython(preload=("json",))
+def test_a_run_whose_warm_python_was_killed_is_signalled_by_pidfd_and_its_end_said_loudly(tmp_path, warm_python_lib):
+    warm = warm_python_lib.WarmPython(preload=("json",))
     try:
         started = warm.start(["-c", "import time; time.sleep(600)"], output=tmp_path / "log")
         warm._server.kill()  # no cleanup: the run goes on, its parent gone
@@ -165,7 +156,7 @@ def test_a_fork_starts_as_fresh_only_where_the_variables_read_at_start_are_the_s
     assert not light.forks_as_fresh(same | {"PYTHONSAFEPATH": "1"})
 
 
-def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(tmp_path):
+def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(tmp_path, warm_python_lib):
     # A vLLM that configures its logging on import (before 0.32) read the server's environment:
     # a run that asks for another level gets it, as a fresh process would. (A stand-in package
     # named vllm: this release of vLLM configures logging when an engine starts, not on import.)
@@ -181,7 +172,7 @@ def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(
         "_configure_vllm_root_logger()\n"
     )
     env = os.environ | {"PYTHONPATH": str(fake.parent), "VLLM_LOGGING_LEVEL": "ERROR"}
-    warm = warm_python_module.WarmPython(env=env, preload=("logging", "vllm.logger"))
+    warm = warm_python_lib.WarmPython(env=env, preload=("logging", "vllm.logger"))
     level = "import logging; print(logging.getLevelName(logging.getLogger('vllm').level))"
     try:
         assert warm.run(["-c", level], env=env).stdout == "ERROR\n"
@@ -190,10 +181,10 @@ def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(
         warm.close()
 
 
-def test_a_server_that_cannot_start_says_why():
+def test_a_server_that_cannot_start_says_why(warm_python_lib):
     # qmc_sampler itself must never be preloaded: each run imports its own (a mutant's copy, say).
     with pytest.raises(RuntimeError, match=r"(?s)exited \(1\).*AssertionError: preloaded qmc_sampler"):
-        warm_python_module.WarmPython(preload=("json", "qmc_sampler"))
+        warm_python_lib.WarmPython(preload=("json", "qmc_sampler"))
 
 
 def gone(pid: int, within: float = 10) -> bool:
