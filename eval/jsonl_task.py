@@ -70,7 +70,7 @@ class JsonlTask(Task):
 
 
 def _read(path: Path, numeric: bool) -> list[dict[str, Any]]:
-    # numeric: every answer must hold a number (verifier 'numeric'), refused here rather than
+    # numeric: every answer must be one number (verifier 'numeric'), refused here rather than
     # when a sample is scored, after minutes of generation.
     if not path.is_file():
         raise TaskFileError(f"{path}: no such task file")
