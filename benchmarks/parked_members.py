@@ -61,12 +61,12 @@ def make_registry(per_key: int | None):
 
 def fill(registry, count: int, keys: list[str], rng: random.Random) -> None:
     """Park ``count`` members round-robin over ``keys``, each with a random history of 1 to 32 tokens."""
-    from qmc_sampler.members import REQUEST, GroupArgs, RowSampling
+    from qmc_sampler.members import PER_REQUEST, GroupArgs, RowSampling
 
     plain = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     for i in range(count):
         output = [rng.randrange(256) for _ in range(rng.randint(1, 32))]
-        member = registry.admit(GroupArgs(REQUEST, "lattice", "id", 1, 1 << 30, f"fill:{i}"), plain, [1], output)
+        member = registry.admit(GroupArgs(PER_REQUEST, "lattice", "id", 1, 1 << 30, f"fill:{i}"), plain, [1], output)
         member.group_key = keys[i % len(keys)]  # filed under the target key when parked
         registry.park(member)
 
@@ -77,11 +77,11 @@ class Step:
     def __init__(self, rows: int, vocab: int) -> None:
         import torch
 
-        from qmc_sampler.members import REQUEST, GroupArgs, RowSampling
+        from qmc_sampler.members import PER_REQUEST, GroupArgs, RowSampling
 
         self.torch = torch
         self.rows = rows
-        self.request = GroupArgs(REQUEST, "lattice", "id", 7, 1 << 30, "hot")
+        self.request = GroupArgs(PER_REQUEST, "lattice", "id", 7, 1 << 30, "hot")
         self.sampling = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         self.logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
         self.temperature = torch.ones(rows)

@@ -282,7 +282,7 @@ class QMCForcer:
         for g, prompts in enumerate(by_key.values()):
             blocks = [range(p * copies, (p + 1) * copies) for p in prompts]
             order = member_order(self.method, blocks)
-            seed = counter_seed(self.seed, Purpose.GROUP_SEED, g, 0)
+            seed = counter_seed(self.seed, Purpose.HF_GROUP_SEED, g, 0)
             # An explicit group: this forcer names its size, seed and every member index.
             request = GroupArgs(EXPLICIT, self.method, self.order, seed, len(order), group=f"hf:{g}")
             for i, row in enumerate(order):

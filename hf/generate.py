@@ -48,11 +48,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-import numpy as np
 from qmc_sampler.hf.forcer import ForcerStats, GroupRecord, QMCForcer
 from qmc_sampler.hf.rows import PromptKeys, prompt_keys
 
-from qmc_sampler.counter_rng import Purpose, counter_hash, seed_to_u64
+from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
 from qmc_sampler.designs import METHODS
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.limits import SEED_MAX, SEED_MIN, is_int
@@ -188,7 +187,7 @@ class QMCGenerate:
 
     def _call_seed(self, call: int) -> int:
         rank = _process_rank()
-        return int(counter_hash(self.seed, Purpose.GROUP_SEED, rank, call)[0] >> np.uint64(1))
+        return counter_seed(self.seed, Purpose.HF_CALL_SEED, rank, call)
 
     def _warn_copies_only(self, keys: PromptKeys) -> None:
         names = tuple(sorted({item.split(":", 1)[0] for item in keys.unattributed}))

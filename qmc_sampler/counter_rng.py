@@ -49,9 +49,12 @@ class Purpose(enum.IntEnum):
     SOBOL_MATRIX = 5  # sobol: rows of the random lower-triangular scrambling matrix
     SOBOL_SHIFT = 6  # sobol: the random digital shift
     SOBOL_JITTER = 7  # sobol: the bits below the net's resolution
-    GROUP_SEED = 8  # the vLLM plugin: seeds of groups that came without one (engine seed, rank, counter)
+    ENGINE_GROUP_SEED = 8  # the vLLM plugin's engine: a group that came without a seed (engine seed, rank, counter)
     STRATUM_SHIFT = 9  # stratified: the shift s of the permutation π(i) = (σ(i) + s) mod n
     PROMPT_SEED = 10  # the seed of prompt i > 0 of a multi-prompt request, from the request's seed
+    FRONT_END_SEED = 11  # the vLLM plugin's front end: a request without a seed (process salt, 0, counter)
+    HF_CALL_SEED = 12  # transformers: one generate call's seed (user seed, process rank, call number)
+    HF_GROUP_SEED = 13  # transformers: group g of one generate call (call seed, g, 0)
 
 
 def seed_to_u64(seed: int) -> int:

@@ -47,7 +47,7 @@ from qmc_sampler.members.keys import (
     ENV_SALT,
     check_extra_args,
 )
-from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, REQUEST, GroupArgs
+from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, PER_REQUEST, GroupArgs
 from qmc_sampler.processing import SAMPLING_EPS
 
 __all__ = [
@@ -133,7 +133,7 @@ def _process_salt() -> int:
 
 def _fresh_seed() -> int:
     """A new group seed for a request without one: counter-based, salted per process."""
-    return counter_seed(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))
+    return counter_seed(_FRONT_END_SALT, Purpose.FRONT_END_SEED, 0, next(_fresh_counter))
 
 
 @contextlib.contextmanager
@@ -300,9 +300,9 @@ def resolve(params: Any) -> GroupArgs | None:
     env_order = _env_default(ENV_ORDER, ORDERS)
     auto_on = _env_default(ENV_AUTO_GROUP, ("0", "1")) != "0" and extra.get("qmc_auto_group", 1) == 1
     explicit = extra.get("qmc_group")
-    kind = EXPLICIT if explicit is not None else REQUEST if params.n > 1 or not auto_on else AUTO
+    kind = EXPLICIT if explicit is not None else PER_REQUEST if params.n > 1 or not auto_on else AUTO
     method = extra.get("qmc_method")
-    if method is None and not (kind == REQUEST and params.n == 1):  # the drop-in skips lone requests
+    if method is None and not (kind == PER_REQUEST and params.n == 1):  # the drop-in skips lone requests
         method = env_method
     if method is None or params.temperature < SAMPLING_EPS:
         return None
@@ -339,10 +339,10 @@ def resolve(params: Any) -> GroupArgs | None:
             EXPLICIT, method, order, int(seed), size, f"user:{explicit}:{method}:{seed}", index,
             children=int(params.n), tag=uuid.uuid4().hex, salt=salt,
         )  # fmt: skip
-    elif kind == REQUEST:
+    elif kind == PER_REQUEST:
         seed = None if seed is None else prompt_seed(int(seed), prompt)
         request = GroupArgs(
-            REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}",
+            PER_REQUEST, method, order, seed, int(params.n), f"req:{uuid.uuid4().hex}",
             fresh_seed=_fresh_seed() if seed is None else None, salt=salt,
         )  # fmt: skip
     else:

@@ -24,7 +24,7 @@ from qmc_sampler.members.groups import EngineSalt, GroupResolver, GroupStats, st
 from qmc_sampler.members.history import extend_history, history_fingerprints, token_history
 from qmc_sampler.members.member import Member, Pending, RowSampling
 from qmc_sampler.members.parking import ParkedMembers
-from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, REQUEST, GroupArgs, Placement
+from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, PER_REQUEST, GroupArgs, Placement
 from qmc_sampler.members.pool import DevicePool
 from qmc_sampler.members.registry import MemberRegistry
 
@@ -32,7 +32,7 @@ __all__ = [
     "AUTO",
     "DEFAULT_GROUP_TTL",
     "EXPLICIT",
-    "REQUEST",
+    "PER_REQUEST",
     "DevicePool",
     "DrawCycle",
     "EngineSalt",

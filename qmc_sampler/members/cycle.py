@@ -82,8 +82,8 @@ class DrawCycle:
         """Make ``pending`` the member's draw in doubt, as :meth:`draw` would (for a draw made elsewhere)."""
         self._flush()
         self.pool.put(member.slot, u=pending.uniform, start=pending.start, prob=pending.prob, token=pending.token,
-                      seen=pending.token, ours=True)  # fmt: skip
-        member.drew = True
+                      accepted_token=pending.token, drawn_by_us=True)  # fmt: skip
+        member.draw_pending = True
 
     def sync(self, member: Member, accepted: int, last_token: int | None) -> None:
         """Reconcile a member with the engine's count of its accepted output tokens (no device wait).
@@ -93,19 +93,19 @@ class DrawCycle:
             last_token: the last accepted token if known (None or -1: not known yet).
         """
         state = member.state
-        engine_drew, member.engine_draws = member.engine_draws, False
+        engine_drew, member.left_to_engine = member.left_to_engine, False
         if accepted == state.step:
-            member.drew = False  # the last draw was discarded (or none made yet): redraw
+            member.draw_pending = False  # the last draw was discarded (or none made yet): redraw
             return
-        if accepted == state.step + 1 and (engine_drew or member.drew):
+        if accepted == state.step + 1 and (engine_drew or member.draw_pending):
             # Committed on the device with the next draw: carried if the token is the one we
             # drew; if the engine chose it (engine_drew), nothing is carried and a code design
             # continues with fresh uniforms (the commit sets that too). Unknown tokens are the
-            # device's `seen`.
+            # device's `accepted_token`.
             token = -1 if last_token is None else int(last_token)
             self._commits.append((member, token, not engine_drew))
             state.step = accepted
-            member.drew = False
+            member.draw_pending = False
             return
         self._lose(member, accepted)
 
@@ -121,7 +121,7 @@ class DrawCycle:
         if members:
             self.pool.to(last_tokens.device)
             slots = upload(np.array([m.slot for m in members], dtype=np.int64), self.pool.device)
-            self.pool.seen[slots] = last_tokens.long()
+            self.pool.accepted_token[slots] = last_tokens.long()
         for m, a in zip(members, accepted, strict=True):
             self.sync(m, a, None)
 
@@ -159,11 +159,11 @@ class DrawCycle:
         orders = [m.state.spec.order for m in members]
         draw = draw_by_order(logits, orders, u, temperature, top_k, top_p, min_p, check=False)
         pool.u[slots], pool.start[slots], pool.prob[slots] = u, draw.starts, draw.probs
-        pool.token[slots], pool.ours[slots] = draw.tokens, draw.tokens >= 0
-        pool.seen[slots] = draw.tokens  # the engine takes our token (sync_all may say otherwise)
+        pool.token[slots], pool.drawn_by_us[slots] = draw.tokens, draw.tokens >= 0
+        pool.accepted_token[slots] = draw.tokens  # the engine takes our token (sync_all may say otherwise)
         now = self._now()
         for m in members:
-            m.drew = True
+            m.draw_pending = True
             m.last_step_at = now
         return draw
 
@@ -178,8 +178,8 @@ class DrawCycle:
         now = self._now()
         for m in members:
             self.stats.unsampleable += 1
-            m.drew = False
-            m.engine_draws = True
+            m.draw_pending = False
+            m.left_to_engine = True
             m.last_step_at = now
             self._warn_degraded(m, why)
 
@@ -189,9 +189,9 @@ class DrawCycle:
         if self._active:
             slots = list(self._active)
             index = upload(np.array(slots, dtype=np.int64), self.pool.device)
-            counts = torch.stack([self.pool.lost[index], self.pool.left[index]]).cpu().tolist()
-            for slot, lost, left in zip(slots, *counts, strict=True):
-                self._fold_events(slot, self._active[slot], lost, left)
+            counts = torch.stack([self.pool.overridden[index], self.pool.engine_sampled[index]]).cpu().tolist()
+            for slot, overridden, engine_sampled in zip(slots, *counts, strict=True):
+                self._fold_events(slot, self._active[slot], overridden, engine_sampled)
         return self.stats
 
     # ---- internals ----------------------------------------------------------
@@ -241,15 +241,15 @@ class DrawCycle:
         slots = upload(np.array([m.slot for m, _, _ in commits], dtype=np.int64), pool.device)
         told = upload(np.array([t for _, t, _ in commits], dtype=np.int64), pool.device)
         drew = upload(np.array([d for _, _, d in commits], dtype=np.bool_), pool.device)
-        accepted = torch.where(told >= 0, told, pool.seen[slots])
+        accepted = torch.where(told >= 0, told, pool.accepted_token[slots])
         pool.history[slots] = extend_history(pool.history[slots], accepted)
-        ours, carries = drew & pool.ours[slots], pool.carries[slots]
+        ours, carries = drew & pool.drawn_by_us[slots], pool.carries[slots]
         mine = ours & (pool.token[slots] == accepted)
         # The kernel could not draw from the row (the engine sampled it), or the engine
         # accepted another token than ours: nothing to carry, and a code design's coupling
         # is gone (fresh from now on). A row the host left to the engine is counted there.
-        pool.left[slots] += (drew & ~ours).long()
-        pool.lost[slots] += (ours & ~mine).long()
+        pool.engine_sampled[slots] += (drew & ~ours).long()
+        pool.overridden[slots] += (ours & ~mine).long()
         fresh = pool.fresh[slots] | (carries & ~mine)
         carry = mine & carries & ~fresh
         code, width, alone = carry_codes(
@@ -277,11 +277,11 @@ class DrawCycle:
         p = member.pending
         self.pool.put(
             member.slot, code=state.code or 0.0, width=state.width, fresh=state.fresh, carries=design.carries,
-            alone=alone, lost=0, left=0, history=member.history, ours=p is not None, u=p.uniform if p else 0.0,
-            start=p.start if p else 0.0, prob=p.prob if p else 1.0, token=p.token if p else -1,
-            seen=p.token if p else -1,
+            alone=alone, overridden=0, engine_sampled=0, history=member.history, drawn_by_us=p is not None,
+            u=p.uniform if p else 0.0, start=p.start if p else 0.0, prob=p.prob if p else 1.0,
+            token=p.token if p else -1, accepted_token=p.token if p else -1,
         )  # fmt: skip
-        member.drew = p is not None
+        member.draw_pending = p is not None
         member.pending = None
         self._active[member.slot] = member
 
@@ -303,24 +303,24 @@ class DrawCycle:
         state.fresh = bool(row["fresh"])
         member.history = int(row["history"])
         # A draw in doubt; none where the engine sampled the row itself (it has no interval of ours).
-        drew = member.drew and bool(row["ours"])
+        drew = member.draw_pending and bool(row["drawn_by_us"])
         member.pending = Pending(row["u"], row["start"], row["prob"], int(row["token"])) if drew else None
-        self._fold_events(member.slot, member, row["lost"], row["left"])
+        self._fold_events(member.slot, member, row["overridden"], row["engine_sampled"])
 
-    def _fold_events(self, slot: int, member: Member | None, lost: int, left: int) -> None:
+    def _fold_events(self, slot: int, member: Member | None, overridden: int, engine_sampled: int) -> None:
         """Add a pool row's event counts (read back by the caller) to :attr:`stats`, and zero them."""
-        if not (lost or left):
+        if not (overridden or engine_sampled):
             return
-        self.pool.put(slot, lost=0, left=0)
-        self.stats.lost += lost
-        self.stats.unsampleable += left
-        if member is not None and lost:
+        self.pool.put(slot, overridden=0, engine_sampled=0)
+        self.stats.lost += overridden
+        self.stats.unsampleable += engine_sampled
+        if member is not None and overridden:
             logger.warning(
                 "qmc-sampler: member %d of group %s: the engine accepted another token than the one drawn %d "
                 "time(s); it continues with fresh uniforms (still an exact sample). Lost so far: %d",
-                member.placement.member, member.placement.label, lost, self.stats.lost,
+                member.placement.member, member.placement.label, overridden, self.stats.lost,
             )  # fmt: skip
-        if member is not None and left:
+        if member is not None and engine_sampled:
             self._warn_degraded(member, "its logits are NaN or all -inf")
 
     def _warn_degraded(self, m: Member, why: str) -> None:
@@ -344,7 +344,7 @@ class DrawCycle:
         self._fresh_from_now(member)
         state.step = accepted
         member.pending = None
-        member.drew = False
+        member.draw_pending = False
         member.history = -1  # the tokens it skipped are unknown here: never matched by history again
         if member.slot >= 0:
             self._flush()

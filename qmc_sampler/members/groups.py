@@ -329,7 +329,8 @@ class GroupResolver:
 
     def _next_counter_seed(self) -> int:
         self._counter += 1
-        return counter_seed(seed_to_u64(self.salt.engine_seed), Purpose.GROUP_SEED, self.salt.dp_rank, self._counter)
+        engine_seed = seed_to_u64(self.salt.engine_seed)
+        return counter_seed(engine_seed, Purpose.ENGINE_GROUP_SEED, self.salt.dp_rank, self._counter)
 
     def _salted(self, seed: int) -> int:
         # Rank 0 keeps the user's seed as it is, so a single engine reproduces

@@ -54,11 +54,11 @@ class Member:
     identity: Hashable = None  # the caller's name for the request (no engine objects)
     pending: Pending | None = None  # a parked member's draw still in doubt
     history: int = 0  # token_history of the committed tokens
-    engine_draws: bool = False  # this step's row is left to the engine (see MemberRegistry.leave_to_engine)
+    left_to_engine: bool = False  # this step's row is left to the engine (see MemberRegistry.leave_to_engine)
     degraded: bool = False  # it has had such a row (warned once per member)
     last_step_at: float | None = None  # wall clock of its last row in a batch (its group's TTL starts there)
     slot: int = -1  # its row of the device pool while in the batch
-    drew: bool = False  # in the batch: a draw is pending on the device
+    draw_pending: bool = False  # in the batch: a draw is pending on the device
 
     def consistent_with(self, output_ids: Sequence[int]) -> bool:
         """True if ``output_ids`` is this (parked) member's history: committed, or committed + its pending token.

@@ -4,8 +4,9 @@ A request with a design carries :class:`GroupArgs` (written at admission by the 
 front end, read back where it is drawn); :class:`~qmc_sampler.members.groups.GroupResolver`
 turns them into a :class:`Placement` — its group's spec, its member index and its group's
 label. The kinds of group (docs/internals.md, "Groups"): :data:`EXPLICIT` (the caller names
-the group), :data:`REQUEST` (the children of one ``n > 1`` request) and :data:`AUTO`
-(repeats of one ``n = 1`` prompt: an extensible lattice, open for its ttl).
+the group), :data:`PER_REQUEST` (one request's own members: the children of an ``n > 1``
+request, or a lone request with auto-grouping off) and :data:`AUTO` (repeats of one ``n = 1``
+prompt: an extensible lattice, open for its ttl).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 
 from qmc_sampler.group import GroupSpec
 
-__all__ = ["AUTO", "DEFAULT_GROUP_TTL", "EXPLICIT", "REQUEST", "GroupArgs", "Placement"]
+__all__ = ["AUTO", "DEFAULT_GROUP_TTL", "EXPLICIT", "PER_REQUEST", "GroupArgs", "Placement"]
 
 #: The kinds of group (see the module docstring).
-EXPLICIT, REQUEST, AUTO = "explicit", "request", "auto"
+EXPLICIT, PER_REQUEST, AUTO = "explicit", "per_request", "auto"
 
 #: Seconds an auto group stays open after its last member left, unless a request says otherwise.
 DEFAULT_GROUP_TTL = 300.0
@@ -29,7 +30,7 @@ class GroupArgs:
     """What is needed to place one request (one member) in its group.
 
     Attributes:
-        kind: ``explicit``, ``request`` or ``auto``.
+        kind: ``explicit``, ``per_request`` or ``auto``.
         method, order: the design and vocabulary order.
         seed: the group seed, or None (derived where the member is placed).
         n: group size (0 for auto groups: extensible).

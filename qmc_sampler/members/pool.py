@@ -20,19 +20,19 @@ class DevicePool:
     """The numbers of the members in the batch, one row each, on the logits' device.
 
     Columns: ``code``, ``width``, the pending draw (``u``, ``start``, ``prob``,
-    ``token``, ``ours``: drawn by us rather than left to the engine), ``fresh``,
-    ``history`` (:func:`~qmc_sampler.members.history.token_history` of the committed tokens), ``seen`` (the token
-    the engine accepted for the row, where the host does not know it: our pending
-    token, or what the engine reports on the device), per member constants
-    (``carries``: a code design; ``alone``: the width below which it goes fresh), and
-    event counts the host reads at parking (``lost``: the engine accepted another
-    token than ours; ``left``: the engine sampled the row).
+    ``token``, ``drawn_by_us``: drawn by the kernel rather than left to the engine), ``fresh``,
+    ``history`` (:func:`~qmc_sampler.members.history.token_history` of the committed tokens),
+    ``accepted_token`` (the token the engine accepted for the row, where the host does not know
+    it: our pending token, or what the engine reports on the device), per member constants
+    (``carries``: a code design; ``alone``: the width below which it goes fresh), and event
+    counts the host reads at parking (``overridden``: the engine accepted another token than
+    ours; ``engine_sampled``: the engine sampled the row).
     It lives on the CPU until the first draw names the device.
     """
 
     FLOATS = ("code", "width", "u", "start", "prob", "alone")
-    INTS = ("token", "seen", "history", "lost", "left")
-    BOOLS = ("fresh", "ours", "carries")
+    INTS = ("token", "accepted_token", "history", "overridden", "engine_sampled")
+    BOOLS = ("fresh", "drawn_by_us", "carries")
 
     def __init__(self, capacity: int = 64) -> None:
         self.device = torch.device("cpu")

@@ -46,7 +46,12 @@ def test_uniforms_are_uniform_across_members_and_across_steps() -> None:
     assert stats.kstest(across_steps, "uniform").pvalue > ALPHA
 
 
+def test_every_purpose_is_a_stream_of_its_own():
+    # An IntEnum member given another's value becomes its alias: two derivations would share a stream.
+    assert len(Purpose.__members__) == len(set(Purpose)) == len({int(p) for p in Purpose})
+
+
 def test_derived_seeds_are_the_hashes_top_63_bits():
-    seeds = [counter_seed(7, Purpose.GROUP_SEED, member, 3) for member in range(100)]
+    seeds = [counter_seed(7, Purpose.ENGINE_GROUP_SEED, member, 3) for member in range(100)]
     assert all(0 <= s < 2**63 for s in seeds) and len(set(seeds)) == 100
-    assert seeds[5] == int(counter_hash(7, Purpose.GROUP_SEED, 5, 3)[0]) >> 1
+    assert seeds[5] == int(counter_hash(7, Purpose.ENGINE_GROUP_SEED, 5, 3)[0]) >> 1

@@ -161,10 +161,10 @@ def test_the_plugins_device_carry_draws_a_whole_group_without_a_sync(reads):
     # The vLLM plugin's draw cycle without vLLM: a lattice group's members admitted, then each step
     # drawn, and accepted as the engine reports it (the token only the device knows, as under MRV2).
     from qmc_sampler.kernels import upload
-    from qmc_sampler.members import REQUEST, GroupArgs, MemberRegistry, RowSampling
+    from qmc_sampler.members import PER_REQUEST, GroupArgs, MemberRegistry, RowSampling
 
     registry = MemberRegistry()
-    request = GroupArgs(REQUEST, "lattice", "id", 5, G, "gpu-check:group")
+    request = GroupArgs(PER_REQUEST, "lattice", "id", 5, G, "gpu-check:group")
     plain = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     members = [registry.admit(request, plain, [1, 2, 3], [], identity=i) for i in range(G)]
     registry.pool.to(DEVICE)  # the pool moves to the logits' device once, at the first draw

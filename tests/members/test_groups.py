@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from qmc_sampler.group import EXTENSIBLE, GroupSpec
-from qmc_sampler.members import AUTO, EXPLICIT, REQUEST, EngineSalt, GroupArgs, GroupResolver
+from qmc_sampler.members import AUTO, EXPLICIT, PER_REQUEST, EngineSalt, GroupArgs, GroupResolver
 
 PROMPT = [5, 6, 7]
 
@@ -96,7 +96,7 @@ def test_unseeded_groups_are_fresh_and_seeded_ones_reproduce():
 def test_engines_are_salted_apart_but_explicit_groups_are_not():
     a, b = GroupResolver(salt=EngineSalt(0, 0)), GroupResolver(salt=EngineSalt(0, 1))
     assert place(a, auto(seed=5)).spec.seed != place(b, auto(seed=5)).spec.seed
-    request = GroupArgs(REQUEST, "lattice", "id", 5, 8, "req:1")
+    request = GroupArgs(PER_REQUEST, "lattice", "id", 5, 8, "req:1")
     assert place(a, request).spec.seed == 5  # rank 0 keeps the user's seed
     assert place(b, request).spec.seed != 5
     explicit = GroupArgs(EXPLICIT, "lattice", "id", 5, 8, "user:g", 3)
@@ -113,7 +113,7 @@ def test_the_children_of_an_n_request_with_an_explicit_index_are_consecutive_mem
 
 def test_overflow_is_counted_and_fresh():
     r = GroupResolver()
-    request = GroupArgs(REQUEST, "iid", "id", 1, 2, "req:z")
+    request = GroupArgs(PER_REQUEST, "iid", "id", 1, 2, "req:z")
     placements = [place(r, request) for _ in range(3)]
     assert [p.fresh for p in placements] == [False, False, True]
     assert r.stats.overflow == 1
@@ -200,11 +200,11 @@ def test_an_explicit_group_numbered_by_arrival_never_restarts_a_used_member():
 
 def test_a_readmitted_child_and_a_child_whose_counter_was_forgotten_are_orphans():
     r = GroupResolver(max_open_groups=1)
-    request = GroupArgs(REQUEST, "lattice", "id", 9, 3, "req:a")
+    request = GroupArgs(PER_REQUEST, "lattice", "id", 9, 3, "req:a")
     assert place(r, request).member == 0
-    place(r, GroupArgs(REQUEST, "lattice", "id", 9, 3, "req:b"))  # req:a's counter (1 of 3) forgotten
+    place(r, GroupArgs(PER_REQUEST, "lattice", "id", 9, 3, "req:b"))  # req:a's counter (1 of 3) forgotten
     assert r.stats.children_forgotten == 1
     late = place(r, request)
-    readmitted = r.place(GroupArgs(REQUEST, "lattice", "id", 9, 3, "req:b"), "req:b", again=True)
+    readmitted = r.place(GroupArgs(PER_REQUEST, "lattice", "id", 9, 3, "req:b"), "req:b", again=True)
     assert late.fresh and readmitted.fresh and late.spec.seed != readmitted.spec.seed != 9
     assert r.stats.orphans == 2

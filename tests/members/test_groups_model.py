@@ -20,8 +20,8 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from qmc_sampler.counter_rng import counter_seed
-from qmc_sampler.members import AUTO, EXPLICIT, REQUEST, EngineSalt, GroupArgs, GroupResolver, groups
+from qmc_sampler.counter_rng import Purpose, counter_seed
+from qmc_sampler.members import AUTO, EXPLICIT, PER_REQUEST, EngineSalt, GroupArgs, GroupResolver, groups
 
 TTL = 10.0
 ENGINES = (("A", 0), ("A", 1), ("B", 0))  # (replica, data-parallel rank): A has two engines
@@ -65,7 +65,7 @@ class GroupingMachine(RuleBasedStateMachine):
 
     def _new_salt(self) -> int:
         # A counter-based stand-in for os.urandom: distinct per engine client, reproducible per run.
-        return counter_seed(2026, 8, 0, next(self.counter))
+        return counter_seed(2026, Purpose.FRONT_END_SEED, 0, next(self.counter))
 
     def _resolver(self, engine: tuple) -> GroupResolver:
         resolver = GroupResolver(salt=EngineSalt(0, engine[1]), max_open_groups=2, clock=lambda: self.now)
@@ -103,8 +103,8 @@ class GroupingMachine(RuleBasedStateMachine):
                                  children=n, tag=f"t{next(self.counter)}", salt=salt)  # fmt: skip
             self.next_index += n
         else:
-            fresh = counter_seed(salt, 8, 1, next(self.counter))
-            request = GroupArgs(REQUEST, "lattice", "id", None, n, f"req:{next(self.counter)}", fresh_seed=fresh,
+            fresh = counter_seed(salt, Purpose.FRONT_END_SEED, 1, next(self.counter))
+            request = GroupArgs(PER_REQUEST, "lattice", "id", None, n, f"req:{next(self.counter)}", fresh_seed=fresh,
                                  salt=salt)  # fmt: skip
         self.pending.append((engine, request, n))
 
@@ -120,9 +120,9 @@ class GroupingMachine(RuleBasedStateMachine):
     def auto_repeat(self, engine, prompt, seeded):
         # lm-eval's repeats: seed 1234 on every one; or unseeded repeats (a fresh seed each, from the front end)
         salt = self.salts[engine[0]]
+        fresh = None if seeded else counter_seed(salt, Purpose.FRONT_END_SEED, 2, next(self.counter))
         request = GroupArgs(AUTO, "lattice", "id", 1234 if seeded else None, 0, params_key="p", arrival=self.now,
-                             ttl=TTL, fresh_seed=None if seeded else counter_seed(salt, 8, 2, next(self.counter)),
-                             salt=salt)  # fmt: skip
+                             ttl=TTL, fresh_seed=fresh, salt=salt)  # fmt: skip
         self._place(engine, request, next(self.counter), prompt=(prompt, 9))
 
     # ---- the batch -----------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from qmc_sampler.members import (
     AUTO,
-    REQUEST,
+    PER_REQUEST,
     DevicePool,
     GroupArgs,
     GroupResolver,
@@ -32,7 +32,7 @@ PROMPT = [1, 2, 3]
 
 
 def request(group="req:g", n=1 << 20):
-    return GroupArgs(REQUEST, "lattice", "id", 1, n, group)
+    return GroupArgs(PER_REQUEST, "lattice", "id", 1, n, group)
 
 
 def auto(arrival, ttl=5.0, key="k"):
@@ -113,7 +113,7 @@ def test_admission_takes_the_member_the_linear_scan_takes(seed):
                 if rng.random() < 0.5:
                     reg.park(m)  # MRV2: a pending draw stays in doubt
                 else:  # V1: the engine's list settles it (accepted, or discarded)
-                    accepted = m.state.step + (1 if m.drew and rng.random() < 0.7 else 0)
+                    accepted = m.state.step + (1 if m.draw_pending and rng.random() < 0.7 else 0)
                     reg.park(m, accepted, rng.choice((3, 4)) if accepted else None)
                 parked.append(m)
             elif parked:
@@ -260,7 +260,8 @@ def test_a_reclaimed_member_is_out_of_the_index():
 def test_a_pool_row_is_read_back_in_one_transfer(monkeypatch):
     pool = DevicePool(capacity=4)
     values = dict(code=0.1 + 2**-40, width=1e-300, u=0.7, start=0.5, prob=1 / 3, alone=2**-52, token=262_143,
-                  seen=-1, history=2**62 - 1, lost=3, left=2, fresh=True, ours=False, carries=True)  # fmt: skip
+                  accepted_token=-1, history=2**62 - 1, overridden=3, engine_sampled=2, fresh=True, drawn_by_us=False,
+                  carries=True)  # fmt: skip
     pool.put(2, **values)
     reads = []
     monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a scalar read per column"))

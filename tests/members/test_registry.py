@@ -10,7 +10,7 @@ from qmc_sampler.group import member_uniforms
 from qmc_sampler.members import (
     AUTO,
     EXPLICIT,
-    REQUEST,
+    PER_REQUEST,
     GroupArgs,
     GroupResolver,
     MemberRegistry,
@@ -20,7 +20,7 @@ from qmc_sampler.members import (
     token_history,
 )
 
-REQ = GroupArgs(REQUEST, "lattice", "id", 1, 4, "req:g")
+REQ = GroupArgs(PER_REQUEST, "lattice", "id", 1, 4, "req:g")
 PLAIN = RowSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 PROMPT = [1, 2, 3]
 
@@ -37,7 +37,7 @@ def accept(reg, member, token, accepted):
 def test_members_get_indices_in_order_of_arrival_per_group():
     reg = MemberRegistry()
     rows = [admit(reg) for _ in range(3)]
-    other = admit(reg, GroupArgs(REQUEST, "lattice", "id", 1, 4, "req:h"))
+    other = admit(reg, GroupArgs(PER_REQUEST, "lattice", "id", 1, 4, "req:h"))
     assert [r.placement.member for r in rows] == [0, 1, 2]
     assert other.placement.member == 0
 
@@ -156,7 +156,7 @@ def test_members_beyond_n_draw_their_own_fresh_streams():
     # sibling's completion exactly; it must get a stream of its own.
     for method in ("iid", "sobol", "antithetic", "lattice", "stratified"):
         reg = MemberRegistry()
-        request = GroupArgs(REQUEST, method, "id", 7, 4, "req:x")
+        request = GroupArgs(PER_REQUEST, method, "id", 7, 4, "req:x")
         members = [admit(reg, request) for _ in range(6)]
         assert [m.placement.member for m in members] == [0, 1, 2, 3, 4, 5]
         assert members[4].state.fresh and members[5].state.fresh

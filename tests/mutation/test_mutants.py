@@ -176,8 +176,8 @@ MUTANTS = [
     Mutant(
         "unseeded groups seeded without the per-process salt (replicas started alike coincide)",
         "vllm_plugin/request_args.py",
-        "return counter_seed(_FRONT_END_SALT, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
-        "return counter_seed(0, Purpose.GROUP_SEED, 0, next(_fresh_counter))",
+        "return counter_seed(_FRONT_END_SALT, Purpose.FRONT_END_SEED, 0, next(_fresh_counter))",
+        "return counter_seed(0, Purpose.FRONT_END_SEED, 0, next(_fresh_counter))",
         ("tests/vllm_plugin/test_request_args.py::test_unseeded_groups_get_a_fresh_seed_from_a_per_process_salt",),
     ),
     Mutant(
@@ -197,7 +197,7 @@ MUTANTS = [
     Mutant(
         "Model Runner V2's accepted tokens taken to be our draws",
         "qmc_sampler/members/cycle.py",
-        "            self.pool.seen[slots] = last_tokens.long()\n",
+        "            self.pool.accepted_token[slots] = last_tokens.long()\n",
         "",
         ("tests/members/test_registry.py::test_model_runner_v2s_tokens_are_taken_on_the_device",),
     ),

@@ -12,14 +12,14 @@ from qmc_sampler.vllm_plugin.request_args import (  # noqa: E402
 )
 from vllm import SamplingParams  # noqa: E402
 
-from qmc_sampler.members import AUTO, EXPLICIT, REQUEST  # noqa: E402
+from qmc_sampler.members import AUTO, EXPLICIT, PER_REQUEST  # noqa: E402
 
 
 def test_a_design_is_recorded_for_the_worker():
     sp = SamplingParams(n=8, extra_args={"qmc_method": "lattice", "qmc_seed": 5, "qmc_order": "sorted"})
     request = resolve(sp)
     assert request == read_request(sp.extra_args)
-    assert (request.kind, request.method, request.seed) == (REQUEST, "lattice", 5)
+    assert (request.kind, request.method, request.seed) == (PER_REQUEST, "lattice", 5)
     assert (request.n, request.order) == (8, "sorted")
 
 
@@ -58,7 +58,7 @@ def test_greedy_requests_are_left_alone():
 
 def test_drop_in_groups_n_above_one_and_repeated_n_equal_one(monkeypatch):
     monkeypatch.setenv("QMC_SAMPLER", "lattice")
-    assert resolve(SamplingParams(n=4)).kind == REQUEST
+    assert resolve(SamplingParams(n=4)).kind == PER_REQUEST
     lone = resolve(SamplingParams(n=1))
     assert (lone.kind, lone.method, lone.n) == (AUTO, "lattice", 0)
     assert resolve(SamplingParams(n=4, extra_args={"qmc_method": "iid"})).method == "iid"
@@ -68,10 +68,10 @@ def test_auto_grouping_can_be_turned_off_per_request_and_per_engine(monkeypatch)
     monkeypatch.setenv("QMC_SAMPLER", "lattice")
     assert resolve(SamplingParams(n=1, extra_args={"qmc_auto_group": 0})) is None  # the drop-in skips lone requests
     explicit = resolve(SamplingParams(n=1, extra_args={"qmc_method": "lattice", "qmc_auto_group": 0}))
-    assert (explicit.kind, explicit.n) == (REQUEST, 1)
+    assert (explicit.kind, explicit.n) == (PER_REQUEST, 1)
     monkeypatch.setenv("QMC_SAMPLER_AUTO_GROUP", "0")
     assert resolve(SamplingParams(n=1)) is None
-    assert resolve(SamplingParams(n=4)).kind == REQUEST
+    assert resolve(SamplingParams(n=4)).kind == PER_REQUEST
 
 
 def test_auto_groups_carry_the_params_fingerprint_and_the_front_end_clock(monkeypatch):
@@ -322,4 +322,4 @@ def test_identical_conversations_of_one_batch_chat_request_are_distinct_groups()
 
 def test_auto_grouping_can_be_switched_off_with_a_bool_offline():
     request = resolve(SamplingParams(n=1, extra_args={"qmc_method": "lattice", "qmc_auto_group": False}))
-    assert request.kind == REQUEST
+    assert request.kind == PER_REQUEST
