@@ -18,7 +18,6 @@ plugin: results labelled ``lattice`` from an engine without it would be i.i.d.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,8 @@ from typing import Any
 from qmc_sampler.eval.generation import Completion, GroupJob, InProcessBackend
 from qmc_sampler.eval.samples import append_group, read_samples
 from qmc_sampler.eval.tasks import Problem, Task, get_task
+
+from qmc_sampler.counter_rng import keyed_seed
 
 __all__ = ["RunConfig", "RunError", "build_engine", "check_resumable", "group_seed", "run", "shutdown_engine"]
 
@@ -75,9 +76,9 @@ class RunConfig:
 
 
 def group_seed(run_seed: int, task: str, problem: int | str, group: int) -> int:
-    """A 63-bit group seed from (run seed, task, problem, group), the same for every sampler."""
-    digest = hashlib.blake2b(f"{run_seed}|{task}|{problem}|{group}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    """A 63-bit group seed from (run seed, task, problem, group), the same for every sampler
+    (:func:`~qmc_sampler.counter_rng.keyed_seed` of ``run seed|task|problem|group``)."""
+    return keyed_seed(f"{run_seed}|{task}|{problem}|{group}")
 
 
 def check_resumable(config: RunConfig, ignore: tuple[str, ...] = ()) -> None:

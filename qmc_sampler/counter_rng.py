@@ -26,11 +26,12 @@ on which other members exist, on preemption or on the engine replica
 from __future__ import annotations
 
 import enum
+import hashlib
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["Purpose", "counter_hash", "counter_seed", "counter_uniform", "seed_to_u64"]
+__all__ = ["Purpose", "counter_hash", "counter_seed", "counter_uniform", "keyed_seed", "seed_to_u64", "stable_seed"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -116,3 +117,19 @@ def counter_seed(seed: int, purpose: int, member: int, step: int) -> int:
     another seed and a counter (fresh groups, per-prompt groups), so no two derivations can be
     written differently."""
     return int(counter_hash(seed, purpose, member, step)[0] >> np.uint64(1))
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed keyed by a tuple of values (strings, ints, tuples of them), the same in every
+    process and on every machine: :func:`keyed_seed` of their ``repr``. The seeds derived from
+    names rather than counters (auto groups by prompt, explicit groups by id) come from here; the
+    first part names the derivation, so no two derivations share a seed by accident."""
+    return keyed_seed(repr(parts))
+
+
+def keyed_seed(key: str) -> int:
+    """A 63-bit seed keyed by a string: the top 63 bits of the 8-byte BLAKE2b digest of its UTF-8
+    bytes (little-endian). :func:`stable_seed` and qmc-eval's group seeds (``run seed|task|problem|
+    group``, kept as written so that runs resume with the seeds they started with) use it."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

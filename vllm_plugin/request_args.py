@@ -34,11 +34,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
+from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64, stable_seed
 from qmc_sampler.designs import METHODS, get_design
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.limits import SEED_MAX, SEED_MIN, check_int, is_int
-from qmc_sampler.members.groups import stable_seed
 from qmc_sampler.members.keys import (
     ENV_AUTO_GROUP,
     ENV_GROUP_TTL,

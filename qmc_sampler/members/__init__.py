@@ -20,7 +20,7 @@ How and why: docs/internals.md, "Groups" and "The registry".
 """
 
 from qmc_sampler.members.cycle import DrawCycle, RegistryStats
-from qmc_sampler.members.groups import EngineSalt, GroupResolver, GroupStats, stable_seed
+from qmc_sampler.members.groups import EngineSalt, GroupResolver, GroupStats
 from qmc_sampler.members.history import extend_history, history_fingerprints, token_history
 from qmc_sampler.members.member import Member, Pending, RowSampling
 from qmc_sampler.members.parking import ParkedMembers
@@ -48,6 +48,5 @@ __all__ = [
     "RowSampling",
     "extend_history",
     "history_fingerprints",
-    "stable_seed",
     "token_history",
 ]

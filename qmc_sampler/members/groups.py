@@ -4,7 +4,7 @@
 index of it (a :class:`~qmc_sampler.members.placement.Placement`), when it first enters the
 batch: an *explicit* group (``qmc_group``), a *request* group (the children of one ``n > 1``
 request) or an *auto* group (repeats of one ``n = 1`` prompt: an extensible lattice, open for its
-ttl), seeded and salted by engine (:class:`EngineSalt`, :func:`stable_seed`) and counted in
+ttl), seeded and salted by engine (:class:`EngineSalt`, :func:`~qmc_sampler.counter_rng.stable_seed`) and counted in
 :class:`GroupStats`. The rules — kinds, seeds, lifetimes, members beyond a group's size — are
 specified in docs/internals.md, "Groups".
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64
+from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64, stable_seed
 from qmc_sampler.group import EXTENSIBLE, GroupSpec
 from qmc_sampler.members.placement import AUTO, EXPLICIT, GroupArgs, Placement
 
-__all__ = ["EngineSalt", "GroupResolver", "GroupStats", "stable_seed"]
+__all__ = ["EngineSalt", "GroupResolver", "GroupStats"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
@@ -47,12 +47,6 @@ _EVICTED = (
     "qmc-sampler: forgot an idle auto group (more than max_open_groups=%d open); a later "
     "repeat starts it again (a seeded one from member 0). Evicted so far: %d"
 )
-
-
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from a tuple of values, the same in every process (blake2b of their repr)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(frozen=True)

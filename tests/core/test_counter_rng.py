@@ -4,7 +4,7 @@ import numpy as np
 from scipy import stats
 
 from qmc_sampler import Purpose, counter_hash, counter_uniform
-from qmc_sampler.counter_rng import counter_seed
+from qmc_sampler.counter_rng import counter_seed, keyed_seed, stable_seed
 
 ALPHA = 1e-3 / 2  # two KS tests in this file, Bonferroni
 
@@ -55,3 +55,9 @@ def test_derived_seeds_are_the_hashes_top_63_bits():
     seeds = [counter_seed(7, Purpose.ENGINE_GROUP_SEED, member, 3) for member in range(100)]
     assert all(0 <= s < 2**63 for s in seeds) and len(set(seeds)) == 100
     assert seeds[5] == int(counter_hash(7, Purpose.ENGINE_GROUP_SEED, 5, 3)[0]) >> 1
+
+
+def test_keyed_seeds_are_blake2b_of_the_key_and_stable_seeds_key_by_repr():
+    assert keyed_seed("0|basic_arithmetic|1|0") == 2954819457369714347  # a committed qmc-eval group's seed
+    assert stable_seed("auto", 5, (1, 2)) == keyed_seed(repr(("auto", 5, (1, 2))))
+    assert stable_seed("auto", 5) != stable_seed("dp", 5) and 0 <= stable_seed("x") < 2**63

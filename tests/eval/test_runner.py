@@ -186,3 +186,14 @@ def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_mo
     assert any(r["score"] for r in records) and not all(r["score"] for r in records)
     assert cli_main(["score", cfg.out, "--resamples", "200"]) == 0
     assert "samples to 1 correct (cap 8, rounds of 2)" in capsys.readouterr().out
+
+
+def test_group_seeds_are_the_ones_the_committed_run_was_made_with():
+    # `make run` resumes into docs/results' settings: its groups must keep the seeds they were drawn with.
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    run_seed = json.loads((results / "run.json").read_text())["seed"]
+    records = read_samples(results / "samples.jsonl")
+    seeds = {(r["task"], r["problem"], r["group"]): r["group_seed"] for r in records}
+    assert len(seeds) >= 48 and all(group_seed(run_seed, *key) == seed for key, seed in seeds.items())
