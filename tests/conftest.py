@@ -514,12 +514,14 @@ generation_kwargs:
 """
 
 
-def run_lm_eval(base_url, tmp_path, name, extra=""):
+def run_lm_eval(base_url, tmp_path, name, extra="", warm=None):
     """lm-evaluation-harness's own CLI, as docs/integrations.md runs it, against the server at ``base_url``
-    (ending in ``/v1``); returns each doc's repeats."""
+    (ending in ``/v1``); returns each doc's repeats. With ``warm`` (a :class:`warm_python.WarmPython`)
+    it runs in a fork of it (torch and transformers imported) where that starts as a fresh Python."""
     import json
     import os
     import subprocess
+    import sys
 
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"prompt": "the quick brown", "answer": "fox"}) + "\n")
@@ -530,10 +532,12 @@ def run_lm_eval(base_url, tmp_path, name, extra=""):
     docs = load_docs()  # docs/integrations.md's command, against the test's server and task
     replacements = {"TASK": name, "model=path/to/model": "model=tiny", "http://127.0.0.1:8000/v1": base_url}
     (command,) = docs.commands("lm-eval", replacements)
-    done = subprocess.run(
-        [*command.argv, "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
-        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"} | command.env,
-    )  # fmt: skip
+    argv = [*command.argv, "--include_path", str(tasks), "--log_samples", "--output_path", str(out)]
+    env = os.environ | {"HF_DATASETS_OFFLINE": "1"} | command.env
+    if warm is not None and argv[:2] == [sys.executable, "-m"] and warm.forks_as_fresh(env):
+        done = warm.run(argv[1:], env=env, timeout=600)
+    else:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     (samples,) = out.rglob(f"samples_{name}_*.jsonl")
     return [json.loads(line)["resps"][0] for line in samples.read_text().splitlines()]
@@ -557,17 +561,21 @@ def unbalanced_repeats(texts: list[str], q: np.ndarray, tokenizer) -> dict[str, 
 
 @dataclass(frozen=True)
 class LmEval:
-    """lm-eval's ``local-completions`` with 16 ``repeats`` of one doc (:func:`run_lm_eval`), and the
-    balance check of its repeats (:func:`unbalanced_repeats`)."""
+    """lm-eval's ``local-completions`` with 16 ``repeats`` of one doc (:func:`run_lm_eval`, in forks
+    of ``warm``), and the balance check of its repeats (:func:`unbalanced_repeats`)."""
 
-    run = staticmethod(run_lm_eval)
+    warm: object = None
     unbalanced = staticmethod(unbalanced_repeats)
+
+    def run(self, base_url, tmp_path, name, extra=""):
+        """:func:`run_lm_eval` in forks of :attr:`warm`."""
+        return run_lm_eval(base_url, tmp_path, name, extra, warm=self.warm)
 
 
 @pytest.fixture(scope="session")
-def lm_eval_repeats():
-    """:class:`LmEval` as a fixture."""
-    return LmEval()
+def lm_eval_repeats(warm_python):
+    """:class:`LmEval` as a fixture, its runs in forks of the worker's warm Python."""
+    return LmEval(warm_python)
 
 
 @pytest.fixture(scope="session")
