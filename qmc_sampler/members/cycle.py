@@ -93,17 +93,17 @@ class DrawCycle:
             last_token: the last accepted token if known (None or -1: not known yet).
         """
         state = member.state
-        engine_drew, member.left_to_engine = member.left_to_engine, False
+        left_to_engine, member.left_to_engine = member.left_to_engine, False
         if accepted == state.step:
             member.draw_pending = False  # the last draw was discarded (or none made yet): redraw
             return
-        if accepted == state.step + 1 and (engine_drew or member.draw_pending):
+        if accepted == state.step + 1 and (left_to_engine or member.draw_pending):
             # Committed on the device with the next draw: carried if the token is the one we
-            # drew; if the engine chose it (engine_drew), nothing is carried and a code design
+            # drew; if the engine chose it (left_to_engine), nothing is carried and a code design
             # continues with fresh uniforms (the commit sets that too). Unknown tokens are the
             # device's `accepted_token`.
             token = -1 if last_token is None else int(last_token)
-            self._commits.append((member, token, not engine_drew))
+            self._commits.append((member, token, not left_to_engine))
             state.step = accepted
             member.draw_pending = False
             return

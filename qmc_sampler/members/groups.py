@@ -2,9 +2,10 @@
 
 :class:`GroupResolver` places every request with a design in exactly one group, as one member
 index of it (a :class:`~qmc_sampler.members.placement.Placement`), when it first enters the
-batch: an *explicit* group (``qmc_group``), a *request* group (the children of one ``n > 1``
-request) or an *auto* group (repeats of one ``n = 1`` prompt: an extensible lattice, open for its
-ttl), seeded and salted by engine (:class:`EngineSalt`, :func:`~qmc_sampler.counter_rng.stable_seed`) and counted in
+batch: an *explicit* group (``qmc_group``), a *per-request* group (one request's own members:
+an ``n > 1`` request's children, or a lone request with auto-grouping off) or an *auto* group
+(repeats of one ``n = 1`` prompt: an extensible lattice, open for its ttl), seeded and salted by
+engine (:class:`EngineSalt`, :func:`~qmc_sampler.counter_rng.stable_seed`) and counted in
 :class:`GroupStats`. The rules — kinds, seeds, lifetimes, members beyond a group's size — are
 specified in docs/internals.md, "Groups".
 

@@ -183,7 +183,7 @@ MUTANTS = [
     Mutant(
         "a row left to the engine is read as a lost carry",
         "qmc_sampler/members/cycle.py",
-        "self._commits.append((member, token, not engine_drew))",
+        "self._commits.append((member, token, not left_to_engine))",
         "self._commits.append((member, token, True))",
         ("tests/members/test_registry.py::test_a_row_left_to_the_engine_is_counted_once_and_its_member_goes_on_fresh",),
     ),

@@ -8,6 +8,7 @@ the same weights. A caller's explicit group without ``qmc_index`` is pinned to i
 engine: eight such requests sent at once are eight different members of one lattice.
 """
 
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -27,8 +28,13 @@ def url(tiny_model_dir, serve, tmp_path_factory, docs):
     (recipe,) = docs.commands("qmc-serve-dp", {"path/to/model": tiny_model_dir})  # docs/serving.md's: 2 engines
     assert recipe.argv[-2:] == ["--data-parallel-size", "2"]
     command = [*recipe.argv, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-gb", "1"]
-    # Four processes import vLLM before it answers (the API server, the coordinator, two engines).
-    with serve(command, tmp_path_factory.mktemp("dp") / "server.log", timeout=600) as (_, base):
+    # Started from the warm Python, its coordinator and two engines are forked from it; its two API
+    # servers import vLLM as vLLM spawns them (tests/warm_python.py).
+    log = tmp_path_factory.mktemp("dp") / "server.log"
+    with serve(command, log, timeout=600) as (process, base):
+        if not isinstance(process, subprocess.Popen):  # (this vLLM's modules are the ones the fork patches)
+            forked = [line for line in log.read_text().splitlines() if line.endswith("starts a process by fork")]
+            assert len(forked) == 2, forked  # the coordinator's start and the engines' (one manager)
         yield base
 
 
