@@ -21,12 +21,16 @@ import json
 import ray
 from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
+from qmc_sampler.cpu_defaults import engine_dtype
+
 
 def stage_config(model: str, replicas: int, batch_size: int, env: dict) -> vLLMEngineProcessorConfig:
     """Ray Data's vLLM stage on ``replicas`` engines: CPU bundles without GPUs, the stage's defaults with them."""
     cpu = {}
     if not ray.cluster_resources().get("GPU"):
-        cpu = {"placement_group_config": {"bundles": [{"CPU": 1}]}, "engine_kwargs": {"enforce_eager": True}}
+        # vLLM's "auto" runs a float32 checkpoint in bf16 on CPUs; qmc-sampler's CPU default keeps it
+        engine = {"enforce_eager": True, "dtype": engine_dtype("auto", "cpu", model)[0]}
+        cpu = {"placement_group_config": {"bundles": [{"CPU": 1}]}, "engine_kwargs": engine}
         env = env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     return vLLMEngineProcessorConfig(
         model_source=model,

@@ -90,9 +90,28 @@ def share_the_cores_between_workers() -> None:
 
 
 def pytest_collection_finish(session):
+    import gc
+
     # What collecting imported wrote (vLLM imports opencv, which puts its folder in LD_LIBRARY_PATH)
     # is gone before the first fixture starts a process.
     restore_read_at_start()
+    # The ~750,000 objects of the libraries collection imported (torch, transformers, vLLM) live as
+    # long as the worker: frozen, no full collection walks them again (as tests/warm_python.py does).
+    # In a fork of a warm Python (its preloads frozen already) nothing is done: unfreezing at the end
+    # would give its exit back the collection the fork was made to save.
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        session.config.stash[_FROZE] = True
+
+
+def pytest_unconfigure(config):
+    import gc
+
+    if config.stash.get(_FROZE, False):
+        gc.unfreeze()  # the exit collects them as usual (nanobind reports frozen bindings as leaks)
+
+
+_FROZE = pytest.StashKey[bool]()
 
 
 @pytest.fixture(autouse=True)

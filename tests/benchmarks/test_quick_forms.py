@@ -3,6 +3,7 @@ built for another CPU, is a red test). The engine benchmarks run on the tiny tes
 point is that each one runs here, not its figures. Each runs as ``python SCRIPT`` in a fresh
 interpreter: a fork of the warm one (``tests/warm_python.py``), torch and vLLM already imported."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -67,13 +68,19 @@ def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_cor
 
 def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env, warm_python):
     pytest.importorskip("ray.data.llm", reason="ray extra not installed")
-    # The --endpoint fleet and the Ray backend, 1 and 2 replicas each, side by side.
+    # The --endpoint fleet on 1 and 2 replicas, side by side, and the Ray backend on 2.
     done = quick(warm_python, "fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
     table = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["--endpoint"], ["--ray"])]
-    assert [(row[0], row[1]) for row in table] == [("--endpoint", "1"), ("--endpoint", "2"), ("--ray", "1"),
-                                                  ("--ray", "2")], done.stdout  # fmt: skip
-    assert "ratio 2 / 1 replicas, --ray: " in done.stdout and "ratio 2 / 1 replicas, --endpoint: " in done.stdout
+    rows = [(row[0], row[1]) for row in table]
+    assert rows == [("--endpoint", "1"), ("--endpoint", "2"), ("--ray", "2")], done.stdout
+    assert re.search(r"^ratio 2 / 1 replicas, --endpoint: \d+\.\d\dx groups/s$", done.stdout, re.MULTILINE), done.stdout
+    assert "ratio 2 / 1 replicas, --ray: not measured (replicas [2])" in done.stdout
+
+
+def test_the_fleet_scaling_replica_counts_are_checked_before_any_server_starts(warm_python):
+    done = warm_python.run([str(BENCHMARKS / "fleet_scaling.py"), "--ray-replicas", "3"], cwd=BENCHMARKS.parent)
+    assert done.returncode == 2 and "argument --ray-replicas: '3': give 1, 2 or 1,2" in done.stderr, done.stderr
 
 
 def test_the_parked_members_benchmark_quick_form_runs_side_by_side(warm_python):

@@ -196,8 +196,9 @@ def test_killing_a_replica_mid_run_loses_no_member_and_writes_none_twice(
     ray_cluster, engine_env, tiny_model_dir, tmp_path
 ):
     # One batch of 8 members at a time per replica, 16 batches of 64 tokens: a replica killed once
-    # the first group is written still has batches in flight and queued, which Ray retries on its
-    # restarted actor.
+    # the first group is written still has a batch in flight, which Ray runs again — on the other
+    # replica or on the killed one's restarted actor, whichever takes it first (on a fast machine
+    # the other one has finished every batch before the restart is up: which is not asserted).
     backend = RayBackend(tiny_model_dir, replicas=2, batch_size=8, max_concurrent_batches=1)
     config = RunConfig(
         task="basic_arithmetic", samplers=("iid", "lattice"), n=8, groups=1, problems=8, out=str(tmp_path / "k"),
@@ -233,9 +234,10 @@ def test_killing_a_replica_mid_run_loses_no_member_and_writes_none_twice(
     import ray
 
     restarted = ray._private.state.actors(actor_id=victim["ActorID"])
-    assert restarted["NumRestarts"] >= 1  # Ray restarted the killed replica...
-    # ...and its lost batches ran again there: both replicas and the restarted engine served rows.
-    assert len(backend.engine_rows) >= 3 and sum(backend.engine_rows) == 2 * 8 * 8, backend.engine_rows
+    assert restarted["NumRestarts"] >= 1  # Ray restarted the killed replica
+    # Both replicas served rows, and each member's row was counted once (the lost batch's rows, never
+    # delivered, are counted where they ran again).
+    assert len(backend.engine_rows) >= 2 and sum(backend.engine_rows) == 2 * 8 * 8, backend.engine_rows
 
 
 def test_the_readme_ray_data_recipe_gives_one_group_across_replicas_and_one_per_replica(

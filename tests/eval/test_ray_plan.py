@@ -179,6 +179,8 @@ def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypa
 
     import ray
 
+    from qmc_sampler.cpu_defaults import engine_dtype
+
     module = importlib.import_module(f"qmc_sampler.eval.{recipe}")
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})  # a cluster without GPUs
     config = module.stage_config("/models/m", 2, 4, {}) if recipe == "ray_recipe" else module.llm_config("/models/m", 2)
@@ -187,6 +189,8 @@ def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypa
     assert [b["CPU"] for b in bundles] == [b["CPU"] for b in replica.placement_group_config["bundles"]]
     assert config.runtime_env["env_vars"].items() >= replica.env_vars.items()
     assert config.engine_kwargs.items() >= replica.engine_kwargs.items()
+    # qmc-sampler's CPU dtype, as the backend's: not vLLM's "auto", which runs a float32 checkpoint in bf16
+    assert config.engine_kwargs["dtype"] == engine_dtype("auto", "cpu", "/models/m")[0]
 
 
 @pytest.mark.parametrize(
