@@ -1,12 +1,13 @@
 """``qmc-eval run --ray``: a run's groups as rows of a Ray Dataset through Ray Data's vLLM stage.
 
 One local Ray cluster serves the module (4 logical CPUs on this machine: two CPU engine replicas
-of one CPU each, two for Ray Data's own tasks). Each test runs its pipeline on it — in this
-process (:class:`RayBackend`), or as another driver connected by address (the CLI, the README's
-recipe ``eval/ray_recipe.py``). Every member is an explicit row, so a group is one balanced group
-whichever replica serves each member; texts are never compared bit for bit across batches or
-replicas (some CPUs give a row other logits in another batch), only what holds across them: the
-same members, each once, balanced first tokens, the same verdicts.
+of one CPU each, two for Ray Data's own tasks). Each pipeline runs as another driver connected by
+address — the CLI, the docs' recipes (``eval/ray_recipe.py``, ``eval/ray_serve_recipe.py``) — and
+each starts its own replicas (a Ray Data run's engines are its actors, ~30 s of CPU each here), so
+one CLI run serves both the resume and the lost-replica checks. Every member is an explicit row, so
+a group is one balanced group whichever replica serves each member; texts are never compared bit
+for bit across batches or replicas (some CPUs give a row other logits in another batch), only what
+holds across them: the same members, each once, balanced first tokens, the same verdicts.
 """
 
 import contextlib
@@ -17,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -67,13 +67,6 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.fixture
-def engine_env(monkeypatch):
-    """The replicas' engine settings in this process's environment (the backend forwards them)."""
-    for key, value in ENGINE_ENV.items():
-        monkeypatch.setenv(key, value)
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
@@ -108,65 +101,16 @@ def unbalanced(first_tokens: list[int], q: np.ndarray) -> dict[int, tuple[int, f
     }
 
 
-def qmc_eval(*args: str, timeout: float = 900, env: dict[str, str] | None = None, warm=None):
-    """``python -m qmc_sampler.eval run --quiet ARGS`` in a new process, or in a fork of ``warm``
-    (a :class:`WarmPython`: torch and vLLM imported) where what the run prints besides is not checked."""
+def qmc_eval(*args: str, timeout: float = 900, env: dict[str, str] | None = None):
+    """``python -m qmc_sampler.eval run --quiet ARGS`` in a new process, as a user runs it (what it
+    prints, import-time warnings included, is what a user would see)."""
     argv = ["-m", "qmc_sampler.eval", "run", "--quiet", *args]
     env = os.environ | ENGINE_ENV | (env or {})
-    if warm is not None:
-        return warm.run(argv, env=env, timeout=timeout)
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def member_keys(records: list[dict]) -> list[tuple]:
     return [(r["sampler"], r["problem"], r["group"], r["member"]) for r in records]
-
-
-def test_the_cli_on_two_replicas_equals_the_in_process_run_and_resumes_it(
-    ray_cluster, tiny_model_dir, llm_factory, tokenizer, first_token_probs, tmp_path, lm_eval_repeats, warm_python
-):
-    # One-token samples: a text is its first token, so every lattice group's balance is checked exactly.
-    tasks = tmp_path / "first_token.jsonl"
-    tasks.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
-    config = RunConfig(
-        task=f"jsonl:{tasks}", samplers=("iid", "lattice"), n=16, groups=1, problems=3, out=str(tmp_path / "local"),
-        model=tiny_model_dir, max_tokens=1, task_options={"verifier": "regex"},
-    )  # fmt: skip
-    llm = llm_factory(tiny_model_dir, max_model_len=512)
-    try:
-        local = read_samples(run(config, engine=llm, progress=False) / "samples.jsonl")
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    # The Ray run resumes a run cut after two groups (and a torn line): it generates the other four.
-    out = tmp_path / "ray"
-    out.mkdir()
-    shutil.copy(tmp_path / "local" / "run.json", out / "run.json")
-    kept = (tmp_path / "local" / "samples.jsonl").read_text().splitlines(keepends=True)[: 2 * 16]
-    (out / "samples.jsonl").write_text("".join(kept) + '{"task": "jso')
-    done = qmc_eval(
-        "--ray", ray_cluster, "--replicas", "2", "--task", f"jsonl:{tasks}", "--task-option", "verifier=regex",
-        "--samplers", "iid,lattice", "--n", "16", "--problems", "3", "--max-tokens", "1", "--model", tiny_model_dir,
-        "--out", str(out), warm=warm_python,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "2 vLLM replica(s) on CPU (1 CPU each), float32" in done.stdout
-    assert "bound min(1,k·p̂)" in done.stdout  # the pass@k table
-    rows = done.stdout.split("rows per vLLM engine: ")[1].split(";")[0]
-    assert sum(int(r) for r in rows.split(", ")) == 4 * 16  # only the missing groups were generated
-    records = read_samples(out / "samples.jsonl")
-    assert (out / "samples.jsonl").read_text().splitlines(keepends=True)[: 2 * 16] == kept  # resumed, not redone
-    keys = member_keys(records)
-    assert len(keys) == len(set(keys)) and set(keys) == set(member_keys(local))  # the same members, each once
-    seeds = {(r["sampler"], r["problem"], r["group"]): r["group_seed"] for r in local}
-    assert all(r["group_seed"] == seeds[r["sampler"], r["problem"], r["group"]] for r in records)
-    by_id = {p["id"]: p for p in PROBLEMS}
-    for problem in by_id:
-        q = first_token_probs(tokenizer.encode(by_id[problem]["prompt"]))
-        texts = [r["text"] for r in records if r["sampler"] == "lattice" and r["problem"] == problem]
-        assert len(texts) == 16 and not lm_eval_repeats.unbalanced(texts, q, tokenizer), problem
-    verdicts = {k: r["score"] for k, r in zip(member_keys(local), local, strict=True)}
-    agreement = np.mean([verdicts[k] == r["score"] for k, r in zip(keys, records, strict=True)])
-    assert agreement >= 0.95 and 0 < np.mean([r["score"] for r in records]) < 1, agreement
 
 
 def alive_replicas() -> list[dict]:
@@ -192,52 +136,82 @@ def kill_process_tree(pid: int) -> list[int]:
     return [v.pid for v in victims]
 
 
-def test_killing_a_replica_mid_run_loses_no_member_and_writes_none_twice(
-    ray_cluster, engine_env, tiny_model_dir, tmp_path
+#: The CLI run: 3 problems × 2 samplers × GROUPS groups of 16 one-token members (a text is its first
+#: token, so every lattice group's balance is checked exactly), long enough to lose a replica mid-run.
+GROUPS = 8
+
+
+def test_the_cli_on_two_replicas_resumes_a_run_loses_no_member_to_a_killed_replica_and_equals_the_in_process_run(
+    ray_cluster, tiny_model_dir, llm_factory, tokenizer, first_token_probs, tmp_path, lm_eval_repeats, warm_python
 ):
-    # One batch of 8 members at a time per replica, 16 batches of 64 tokens: a replica killed once
-    # the first group is written still has a batch in flight, which Ray runs again — on the other
-    # replica or on the killed one's restarted actor, whichever takes it first (on a fast machine
-    # the other one has finished every batch before the restart is up: which is not asserted).
-    backend = RayBackend(tiny_model_dir, replicas=2, batch_size=8, max_concurrent_batches=1)
-    config = RunConfig(
-        task="basic_arithmetic", samplers=("iid", "lattice"), n=8, groups=1, problems=8, out=str(tmp_path / "k"),
-        model=tiny_model_dir, max_tokens=64, temperature=1.5,
-    )  # fmt: skip
-    outcome: dict = {}
-
-    def generate() -> None:
-        try:
-            outcome["out"] = run(config, backend=backend, progress=False)
-        except BaseException as e:  # re-raised in the test below
-            outcome["error"] = e
-
-    runner = threading.Thread(target=generate)
-    runner.start()
-    samples = tmp_path / "k" / "samples.jsonl"
-    deadline = time.monotonic() + 600
-    while not (samples.exists() and samples.read_text().count("\n") >= 8) and time.monotonic() < deadline:
-        assert runner.is_alive(), outcome
-        time.sleep(0.2)
-    replicas = alive_replicas()
-    assert len(replicas) == 2, replicas
-    victim = replicas[0]
-    kill_process_tree(victim["Pid"])
-    runner.join(timeout=900)
-    assert not runner.is_alive() and "error" not in outcome, outcome
-    records = read_samples(samples)
-    keys = member_keys(records)
-    assert len(keys) == len(set(keys)) == 2 * 8 * 8  # every member once: none lost, none written twice
-    groups = Counter(k[:3] for k in keys)
-    assert set(groups.values()) == {8} and len(groups) == 2 * 8
-    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
     import ray
 
-    restarted = ray._private.state.actors(actor_id=victim["ActorID"])
-    assert restarted["NumRestarts"] >= 1  # Ray restarted the killed replica
-    # Both replicas served rows, and each member's row was counted once (the lost batch's rows, never
-    # delivered, are counted where they ran again).
-    assert len(backend.engine_rows) >= 2 and sum(backend.engine_rows) == 2 * 8 * 8, backend.engine_rows
+    tasks = tmp_path / "first_token.jsonl"
+    tasks.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    config = RunConfig(
+        task=f"jsonl:{tasks}", samplers=("iid", "lattice"), n=16, groups=GROUPS, problems=3,
+        out=str(tmp_path / "local"), model=tiny_model_dir, max_tokens=1, task_options={"verifier": "regex"},
+    )  # fmt: skip
+    llm = llm_factory(tiny_model_dir, max_model_len=512)
+    try:
+        local = read_samples(run(config, engine=llm, progress=False) / "samples.jsonl")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    total = 2 * 3 * GROUPS * 16
+    # The Ray run resumes a run cut after two groups (and a torn line): it generates the others, and one
+    # of its two replicas is killed (with its engine) once it has written a group of its own.
+    out = tmp_path / "ray"
+    out.mkdir()
+    shutil.copy(tmp_path / "local" / "run.json", out / "run.json")
+    kept = (tmp_path / "local" / "samples.jsonl").read_text().splitlines(keepends=True)[: 2 * 16]
+    (out / "samples.jsonl").write_text("".join(kept) + '{"task": "jso')
+    argv = ["-m", "qmc_sampler.eval", "run", "--quiet", "--ray", ray_cluster, "--replicas", "2", "--task",
+            f"jsonl:{tasks}", "--task-option", "verifier=regex", "--samplers", "iid,lattice", "--n", "16", "--groups",
+            str(GROUPS), "--problems", "3", "--max-tokens", "1", "--model", tiny_model_dir,
+            "--out", str(out)]  # fmt: skip
+    log = tmp_path / "cli.log"
+    cli = warm_python.start(argv, output=log, env=os.environ | ENGINE_ENV)
+    try:
+        samples = out / "samples.jsonl"
+        deadline = time.monotonic() + 600
+        while samples.read_text().count("\n") < 3 * 16 and time.monotonic() < deadline:
+            assert cli.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        replicas = alive_replicas()
+        assert len(replicas) == 2, replicas
+        victim = replicas[0]
+        kill_process_tree(victim["Pid"])
+        written = samples.read_text().count("\n")
+        assert cli.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        cli.kill()
+    printed = log.read_text()
+    assert "2 vLLM replica(s) on CPU (1 CPU each), float32" in printed
+    assert "bound min(1,k·p̂)" in printed  # the pass@k table
+    assert ray._private.state.actors(actor_id=victim["ActorID"])["NumRestarts"] >= 1  # Ray restarted the replica
+    rows = [int(r) for r in printed.split("rows per vLLM engine: ")[1].split(";")[0].split(", ")]
+    # Only the missing groups were generated, each row counted once (the killed replica's lost batches, never
+    # delivered, are counted where they ran again), and both replicas served rows.
+    assert sum(rows) == total - 2 * 16 and len(rows) >= 2, rows
+    assert written < total  # the replica was lost mid-run
+    records = read_samples(out / "samples.jsonl")
+    assert (out / "samples.jsonl").read_text().splitlines(keepends=True)[: 2 * 16] == kept  # resumed, not redone
+    keys = member_keys(records)
+    assert len(keys) == len(set(keys)) == total  # every member once: none lost, none written twice
+    assert set(keys) == set(member_keys(local))  # the same members
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+    seeds = {(r["sampler"], r["problem"], r["group"]): r["group_seed"] for r in local}
+    assert all(r["group_seed"] == seeds[r["sampler"], r["problem"], r["group"]] for r in records)
+    by_id = {p["id"]: p for p in PROBLEMS}
+    for problem in by_id:
+        q = first_token_probs(tokenizer.encode(by_id[problem]["prompt"]))
+        for group in range(GROUPS):
+            key = ("lattice", problem, group)
+            texts = [r["text"] for r in records if (r["sampler"], r["problem"], r["group"]) == key]
+            assert len(texts) == 16 and not lm_eval_repeats.unbalanced(texts, q, tokenizer), (problem, group)
+    verdicts = {k: r["score"] for k, r in zip(member_keys(local), local, strict=True)}
+    agreement = np.mean([verdicts[k] == r["score"] for k, r in zip(keys, records, strict=True)])
+    assert agreement >= 0.95 and 0 < np.mean([r["score"] for r in records]) < 1, agreement
 
 
 def test_the_readme_ray_data_recipe_gives_one_group_across_replicas_and_one_per_replica(
