@@ -96,10 +96,12 @@ def pytest_collection_finish(session):
     # is gone before the first fixture starts a process.
     restore_read_at_start()
     # The ~750,000 objects of the libraries collection imported (torch, transformers, vLLM) live as
-    # long as the worker: frozen, no full collection walks them again (as tests/warm_python.py does).
+    # long as the worker: frozen, no full collection walks them again (as tests/warm_python.py does)
+    # until an in-process vLLM engine is shut down (EngineCore.shutdown unfreezes everything).
     # In a fork of a warm Python (its preloads frozen already) nothing is done: unfreezing at the end
     # would give its exit back the collection the fork was made to save.
     if gc.get_freeze_count() == 0:
+        gc.collect()  # (what collection left as garbage is not kept)
         gc.freeze()
         session.config.stash[_FROZE] = True
 

@@ -116,7 +116,9 @@ sys.stderr.flush()
 # collections, nor collects them as it exits (~2 s of CPU a run on a 2-core AMD EPYC). Every
 # object a run makes is collected as in a fresh start; the frozen ones are left to the exit, where
 # nanobind reports those of its bindings as leaks (the parent removes that report: NANOBIND_REPORT).
+# (A run that shuts a vLLM engine down gets its whole heap back: EngineCore.shutdown unfreezes all.)
 import gc
+gc.collect()
 gc.freeze()
 # Started runs (pid: the file its wait status goes to), reaped as they end.
 started = {}
@@ -233,7 +235,9 @@ for _name, _value in (("LOGGING_ENV_NAMES", LOGGING_ENV), ("ENGINE_PROCESS_MODUL
 
 #: The report nanobind (Triton's bindings) prints to stderr as a process exits with its functions,
 #: types or instances still alive, which the frozen preloads are in a run (a fresh Python frees them
-#: first): removed from the end of a run's stderr, which then ends as a fresh Python's does.
+#: first): removed from the end of a run's stderr, which then ends as a fresh Python's does. (A fresh
+#: Python that exits with vLLM's own frozen heap, an engine never shut down, prints one too: removed
+#: as well. A started run's output file keeps it.)
 NANOBIND_REPORT = re.compile(
     r"(nanobind: leaked \d+ [a-z_ ]+!\n(?: - .*\n)*)+"
     r"nanobind: this is likely caused by a reference counting issue in the binding code\.\n"
@@ -368,7 +372,8 @@ class WarmPython:
             timeout: seconds before the run (with its process group) is killed.
 
         Returns:
-            ``CompletedProcess`` with ``returncode`` (``-N`` for signal N), ``stdout`` and ``stderr``.
+            ``CompletedProcess`` with ``returncode`` (``-N`` for signal N), ``stdout`` and ``stderr``
+            (without a trailing :data:`NANOBIND_REPORT`).
 
         Raises:
             RunTimedOut: the run took longer than ``timeout`` (a ``subprocess.TimeoutExpired``).

@@ -66,7 +66,7 @@ def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_cor
     assert "burst: only the expected 429s" in done.stdout
 
 
-def test_the_fleet_scaling_quick_form_runs_two_replicas(tiny_model_dir, engine_core_env, warm_python):
+def test_the_fleet_scaling_quick_form_runs_both_backends(tiny_model_dir, engine_core_env, warm_python):
     pytest.importorskip("ray.data.llm", reason="ray extra not installed")
     # The --endpoint fleet on 1 and 2 replicas, side by side, and the Ray backend on 1.
     done = quick(warm_python, "fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})

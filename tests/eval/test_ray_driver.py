@@ -19,9 +19,9 @@ from qmc_sampler.eval.ray_rows import member_output
 
 #: 3 samplers × 261 problems × 64 members: 50,112 rows, the issue's run of 3 × 1,000 × 64 at a quarter size.
 SAMPLERS, PROBLEMS, N = ("iid", "lattice", "sobol"), 261, 64
-#: The driver's Python-heap peak (tracemalloc) allowed for that run. Measured: ~2.5 MiB at twice the size. The
-#: rows built up front, as the driver did before, are ~1 KiB each (~50 MiB here), the completions kept to the end
-#: ~0.25 KiB (~12.5 MiB).
+#: The driver's Python-heap peak (tracemalloc) allowed for that run. Measured: 2.35 MiB. The rows built up front,
+#: as the driver did before, are ~1 KiB each (~50 MiB here), the completions kept to the end ~0.25 KiB (14.2 MiB
+#: measured).
 PEAK_BOUND = 8 * 2**20
 #: What one more group of 64 may add to the peak: its place in the member table (~0.5 KiB measured); its
 #: rows would be ~64 KiB, its completions kept ~16 KiB.

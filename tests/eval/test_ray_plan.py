@@ -172,7 +172,7 @@ def test_cpu_replicas_get_bundles_and_threads_gpu_replicas_the_stages_defaults(m
 
 
 @pytest.mark.parametrize("recipe", ["ray_recipe", "ray_serve_recipe"])
-def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypatch, recipe):
+def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypatch, tmp_path, recipe):
     # The recipes spell the settings out (a user reads and copies them whole): they must stay cpu_replica(1)'s.
     pytest.importorskip("ray.data.llm", reason="ray extra not installed")
     import importlib
@@ -191,6 +191,11 @@ def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypa
     assert config.engine_kwargs.items() >= replica.engine_kwargs.items()
     # qmc-sampler's CPU dtype, as the backend's: not vLLM's "auto", which runs a float32 checkpoint in bf16
     assert config.engine_kwargs["dtype"] == engine_dtype("auto", "cpu", "/models/m")[0]
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float32"}')
+    on_float32 = module.stage_config(str(tmp_path), 2, 4, {}) if recipe == "ray_recipe" else module.llm_config(
+        str(tmp_path), 2
+    )
+    assert on_float32.engine_kwargs["dtype"] == "float32"
 
 
 @pytest.mark.parametrize(
