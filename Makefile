@@ -49,7 +49,7 @@ COMPAT_VENV := .venv-vllm-$(VLLM)
 # Everything that meets vLLM; the request fuzzer tests our own code, the same on every release (the
 # main suite runs it, as it runs tests/members). The data-parallel server is not yet run on other
 # releases (docs/serving.md, "vLLM versions").
-COMPAT_TESTS := tests/test_compat.py tests/vllm_plugin tests/server tests/integrations/test_trl.py \
+COMPAT_TESTS := tests/vllm_engine tests/vllm_plugin tests/server tests/integrations/test_trl.py \
 	--ignore=tests/server/test_fuzz.py --ignore=tests/server/test_data_parallel.py
 
 $(COMPAT_VENV)/.qmc-installed: setup.py pyproject.toml
@@ -68,7 +68,7 @@ compat: $(COMPAT_VENV)/.qmc-installed
 compat-check: $(STAMP)
 	rm -rf .compat-wheels && $(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
 		--platform manylinux_2_28_x86_64 -d .compat-wheels 'vllm==$(VLLM)'
-	$(BIN)/python -m qmc_sampler.vllm_plugin.compat .compat-wheels/vllm-*.whl
+	$(BIN)/python -m qmc_sampler.vllm_engine.compat .compat-wheels/vllm-*.whl
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,8 +1,9 @@
 """qmc-sampler: correlated, exact parallel sampling for LLMs.
 
 Everything installs under one import namespace, ``qmc_sampler``: the top-level
-folders ``vllm_plugin/``, ``server/``, ``eval/`` and ``hf/`` become ``qmc_sampler.vllm_plugin``,
-``qmc_sampler.server``, ``qmc_sampler.eval`` and ``qmc_sampler.hf`` through ``package_dir``.
+folders ``vllm_engine/``, ``vllm_plugin/``, ``server/``, ``eval/`` and ``hf/`` become
+``qmc_sampler.vllm_engine``, ``qmc_sampler.vllm_plugin``, ``qmc_sampler.server``, ``qmc_sampler.eval``
+and ``qmc_sampler.hf`` through ``package_dir``.
 
 The fused CPU kernel (``csrc/cpu_sampling.cpp``) is built as the torch extension
 ``qmc_sampler._C`` when torch is importable at build time (``pip install
@@ -16,7 +17,9 @@ import warnings
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = {"vllm_plugin": "vllm_plugin", "server": "server", "eval": "eval", "hf": "hf"}
+SUBPACKAGES = {
+    "vllm_engine": "vllm_engine", "vllm_plugin": "vllm_plugin", "server": "server", "eval": "eval", "hf": "hf"
+}
 
 
 def _extensions() -> tuple[list, dict]:

@@ -155,7 +155,7 @@ def build_engine(model_dir: str, dtype: str = "auto") -> tuple[Any, str]:
     if device == "cpu":
         os.environ.update(cpu_engine_env())
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from qmc_sampler.vllm_plugin.checks import require_plugin
+    from qmc_sampler.vllm_engine.checks import require_plugin
     from vllm import LLM
 
     block_size = engine_block_size(device_type=device)  # CPU: groups share their prompt's KV blocks
@@ -244,7 +244,7 @@ def run(
                 engine, _ = build_engine(resolve_model(config.model), config.dtype)
                 stack.callback(shutdown_engine, engine)
             else:
-                from qmc_sampler.vllm_plugin.checks import require_plugin
+                from qmc_sampler.vllm_engine.checks import require_plugin
 
                 require_plugin(engine)
             backend = InProcessBackend(engine, config.max_members_in_flight)

@@ -232,7 +232,7 @@ def sample_until(
     check_until(want, cap, round_size, design, mode)
     if not hasattr(backend, "supports_rounds") and hasattr(backend, "llm_engine"):
         from qmc_sampler.eval.generation import InProcessBackend
-        from qmc_sampler.vllm_plugin.checks import require_plugin
+        from qmc_sampler.vllm_engine.checks import require_plugin
 
         require_plugin(backend)
         backend = InProcessBackend(backend)

@@ -35,8 +35,8 @@ def _seconds(text: str) -> float:
 
 def _vllm_cli(name: str) -> Any:
     """vLLM's serve-argument function ``name`` (``make_arg_parser`` or ``validate_parsed_serve_args``),
-    wherever this vLLM keeps it (:mod:`qmc_sampler.vllm_plugin.compat`)."""
-    from qmc_sampler.vllm_plugin import compat
+    wherever this vLLM keeps it (:mod:`qmc_sampler.vllm_engine.compat`)."""
+    from qmc_sampler.vllm_engine import compat
 
     touchpoint = {"make_arg_parser": "serve_cli_args", "validate_parsed_serve_args": "serve_validate_args"}[name]
     return compat.locate(touchpoint)
@@ -71,7 +71,7 @@ def _parser() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qmc-serve`` console script."""
-    from qmc_sampler.vllm_plugin import compat
+    from qmc_sampler.vllm_engine import compat
 
     compat.locate("cli_env_setup")()
     parser = _parser()

@@ -31,7 +31,7 @@ from typing import Any
 from qmc_sampler.server.admission import MemberLimiter
 from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_other_route, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
-from qmc_sampler.vllm_plugin.compat import locate
+from qmc_sampler.vllm_engine.compat import locate
 from starlette.datastructures import Headers
 
 GUARDED_PREFIX = locate("guarded_prefix")  # vLLM's key-checked prefixes and its key check, wherever it keeps them
@@ -261,7 +261,7 @@ class QMCServeMiddleware:
         return min(order, key=lambda i: inflight[engines[i]])
 
     async def _stats(self, scope: dict[str, Any]) -> dict[str, Any]:
-        from qmc_sampler.vllm_plugin.checks import engine_stats_async
+        from qmc_sampler.vllm_engine.checks import engine_stats_async
 
         engine = scope["app"].state.engine_client
         return {
@@ -291,7 +291,7 @@ class QMCServeMiddleware:
 
     async def _start(self, scope: dict[str, Any]) -> None:
         """Check the plugin runs in every engine, and make the engine's shutdown graceful."""
-        from qmc_sampler.vllm_plugin.checks import require_plugin_async
+        from qmc_sampler.vllm_engine.checks import require_plugin_async
 
         engine = scope["app"].state.engine_client
         try:

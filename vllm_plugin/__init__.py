@@ -4,8 +4,9 @@
 pieces — ``request_args`` (admission from ``SamplingParams``) and ``adapters`` (the runners'
 rows and slots as members) — import without vLLM. The members themselves — who is which
 member, the draw cycle, parking — are engine-agnostic: :mod:`qmc_sampler.members`. ``hooks`` is the
-``vllm.general_plugins`` entry point, ``logprobs`` keeps processed logprobs the
-model's, and ``checks`` verifies at start-up that an engine runs the processor.
+``vllm.general_plugins`` entry point and ``logprobs`` keeps processed logprobs the model's.
+Where vLLM keeps what the plugin touches, and the start-up check that an engine runs it, serve
+the server and qmc-eval too: :mod:`qmc_sampler.vllm_engine`.
 """
 
 from typing import Any

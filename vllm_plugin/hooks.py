@@ -12,7 +12,7 @@ workers) before building an engine; it is idempotent. It
    and logs at engine start when the plugin cannot act (speculative decoding); and
 3. gives vLLM's workers a ``qmc_sampler_stats`` method, so that a server or an
    evaluation run can ask every worker whether it runs the processor
-   (``collective_rpc("qmc_sampler_stats")``; see :mod:`.checks`).
+   (``collective_rpc("qmc_sampler_stats")``; see :mod:`qmc_sampler.vllm_engine.checks`).
 
 Nothing here changes an engine or request without a design. ``VLLM_PLUGINS``
 (vLLM's allow-list of plugin names) must include ``qmc_sampler`` where it is set.
@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from qmc_sampler.vllm_plugin import compat
+from qmc_sampler.vllm_engine import compat
 from qmc_sampler.vllm_plugin.request_args import engine_facts, install_prompt_marks, instance_salt
 
 __all__ = ["register"]

@@ -5,9 +5,10 @@ The plugin imposes its choice by setting every other logit of the row to ``-inf`
 every sampled token. :class:`Capture` keeps each imposed row as the processor received it;
 :func:`install` (run by :mod:`.hooks` in every vLLM process) wraps vLLM's V1 and MRV2
 ``Sampler.sample`` so that those rows get what vLLM would have computed without the plugin —
-each runner's on its own, after checking what it patches against :mod:`.compat`'s table; a runner
-whose sampler differs is left unpatched with an error in the log, and :func:`require_for` refuses
-designed requests on it under a processed mode (:func:`installed`, :func:`reason`). Details:
+each runner's on its own, after checking what it patches against the touch points'
+table (:mod:`qmc_sampler.vllm_engine.compat`); a runner whose sampler differs is left unpatched
+with an error in the log, and :func:`require_for` refuses designed requests on it under a
+processed mode (:func:`installed`, :func:`reason`). Details:
 docs/internals.md, "Logprobs".
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from qmc_sampler.vllm_plugin import compat
+from qmc_sampler.vllm_engine import compat
 
 __all__ = ["PROCESSED_MODES", "RUNNERS", "Capture", "install", "installed", "reason", "require_for"]
 
@@ -80,8 +81,9 @@ def require_for(logprobs_mode: str, runner: str = "v1") -> bool:
 def install() -> None:
     """Wrap each runner's sampler so processed logprobs stay the model's (idempotent; see module docstring).
 
-    Each runner is decided on its own (:mod:`.compat` checks every object first): a changed MRV2
-    sampler leaves the V1 wrap in place, and the reason for the one not wrapped is logged once.
+    Each runner is decided on its own (:mod:`qmc_sampler.vllm_engine.compat` checks every object
+    first): a changed MRV2 sampler leaves the V1 wrap in place, and the reason for the one not
+    wrapped is logged once.
     """
     for runner, (touchpoints, wrap, sampler_name) in _RUNNER_TARGETS.items():
         if _state[runner][0] or runner in _tried:  # a runner that could not be wrapped is said once

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed")
-from qmc_sampler.vllm_plugin.checks import require_plugin
+from qmc_sampler.vllm_engine.checks import require_plugin
 from vllm import SamplingParams
 
 from qmc_sampler import process_logits

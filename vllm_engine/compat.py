@@ -2,9 +2,9 @@
 
 Each :class:`Touchpoint` names a vLLM object (``module:qualname``, with alternatives where vLLM
 moved it) and, for functions we wrap, the parameter list we rely on. :func:`locate` resolves one
-in the running vLLM (what :mod:`.logprobs`, :mod:`.hooks` and ``qmc-serve`` do before patching or
-importing anything); :func:`check_sources` reads the same table off a vLLM tree or wheel *without
-importing it* (``python -m qmc_sampler.vllm_plugin.compat WHEEL_OR_DIR``: how CI checks a release
+in the running vLLM (what the plugin's ``logprobs`` and ``hooks`` and ``qmc-serve`` do before
+patching or importing anything); :func:`check_sources` reads the same table off a vLLM tree or wheel *without
+importing it* (``python -m qmc_sampler.vllm_engine.compat WHEEL_OR_DIR``: how CI checks a release
 it cannot install, such as the CUDA wheel). Which vLLM releases were run, and what each gives:
 docs/serving.md, "vLLM versions".
 """
@@ -43,8 +43,8 @@ class Touchpoint:
         params: the parameter names a wrapped function must have (None: only its presence).
         feature: what is lost without it (said in the log line and by the source check).
         optional: absent on some supported releases by design (the feature then has a fallback
-            that :mod:`.hooks` or the server applies and says so); a mismatched signature is
-            never optional.
+            that the plugin's ``hooks`` or the server applies and says so); a mismatched signature
+            is never optional.
         only_with: another touch point's name: this one is needed only where that one exists
             (MRV2's sampler matters only on releases whose MRV2 runs logits processors).
     """
@@ -308,11 +308,11 @@ def _absolute(module: str, node: ast.ImportFrom, source_is_package: bool) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qmc_sampler.vllm_plugin.compat WHEEL_OR_DIR [...]``: print each touch point's
+    """``python -m qmc_sampler.vllm_engine.compat WHEEL_OR_DIR [...]``: print each touch point's
     verdict per release; exit 1 if any is missing or changed, 2 on a bad path."""
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
-        print("usage: python -m qmc_sampler.vllm_plugin.compat WHEEL_OR_DIR [...]", file=sys.stderr)
+        print("usage: python -m qmc_sampler.vllm_engine.compat WHEEL_OR_DIR [...]", file=sys.stderr)
         return 2
     failed = False
     for path in paths:

@@ -8,7 +8,7 @@ engine, :func:`require_plugin` (``vllm.LLM``) / :func:`require_plugin_async`
 * the front-end: a request with an invalid ``qmc_method`` must be refused at
   admission (the processor's ``validate_params``); and
 * every worker: ``collective_rpc("qmc_sampler_stats")`` (added by
-  :mod:`.hooks`) must find a processor instance.
+  :mod:`qmc_sampler.vllm_plugin.hooks`) must find a processor instance.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The start-up check (:mod:`qmc_sampler.vllm_plugin.checks`) through both its doors, on stand-in
+"""The start-up check (:mod:`qmc_sampler.vllm_engine.checks`) through both its doors, on stand-in
 engines: ``require_plugin`` (``vllm.LLM``) and ``require_plugin_async`` (``AsyncLLM``) give the same
 verdicts, in the same order (the workers are not asked when the front-end lets the probe through)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 
-from qmc_sampler.vllm_plugin.checks import PROBE_METHOD, require_plugin, require_plugin_async
+from qmc_sampler.vllm_engine.checks import PROBE_METHOD, require_plugin, require_plugin_async
 
 RUNS = [{"processors": 1, "interface": "v1"}, {"processors": 1, "interface": "v1"}]
 

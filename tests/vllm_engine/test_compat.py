@@ -1,4 +1,4 @@
-"""The vLLM touch points (qmc_sampler.vllm_plugin.compat): the installed release passes the table, the
+"""The vLLM touch points (qmc_sampler.vllm_engine.compat): the installed release passes the table, the
 source check reads a release without importing it and catches what changed, and on releases whose
 Model Runner V2 runs no logits processors (< 0.31) installing the package is said and can be undone.
 
@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from qmc_sampler.vllm_plugin import compat
+from qmc_sampler.vllm_engine import compat
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed")
 
