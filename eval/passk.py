@@ -272,14 +272,17 @@ def fieller_ratio(a: ArrayLike, b: ArrayLike, *, level: float = 0.95) -> tuple[f
 
     Returns:
         ``(value, low, high)``; NaN bounds where mean(b) is not clearly away from zero
-        (the set of R is then not an interval) or there are fewer than two problems.
+        (the set of R is then not an interval) or there are fewer than two problems; all three
+        NaN where there is no problem (or ``a`` and ``b`` are not paired).
     """
     from scipy import stats
 
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     p = len(a)
+    if p == 0 or len(b) != p:  # (no problem solved by both designs: no ratio, and no numpy warning)
+        return float("nan"), float("nan"), float("nan")
     value = float(a.mean() / b.mean()) if b.mean() != 0 else float("nan")
-    if p < 2 or len(b) != p:
+    if p < 2:
         return value, float("nan"), float("nan")
     cov = np.cov(a, b) / p
     t2 = float(stats.t.ppf((1 + level) / 2, p - 1)) ** 2

@@ -23,6 +23,7 @@ from qmc_sampler.eval.passk import (
     bootstrap_pass_at_k,
     bootstrap_samples_saved,
     classical_pass_at_k,
+    fieller_ratio,
     pass_at_k,
     per_group_pass_at_k,
     samples_saved,
@@ -216,3 +217,23 @@ def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
     b = bootstrap_pass_at_k([m.astype(float) for m in many], 1)
     assert a.low <= a.value <= a.high and b.low <= b.value <= b.high
     assert (b.high - b.low) < (a.high - a.low)
+
+
+def test_fiellers_interval_is_the_quadratics_roots_and_nan_where_there_is_none():
+    import warnings
+
+    rng = np.random.default_rng(3)
+    b = rng.uniform(20, 40, 48)
+    a = 0.7 * b + rng.normal(0, 2, 48)
+    value, low, high = fieller_ratio(a, b)
+    assert value == pytest.approx(a.mean() / b.mean()) and low < value < high
+    # At each end, (ā − R·b̄)² = t²·Var(ā − R·b̄): the interval's definition, read off its bounds.
+    t2 = stats.t.ppf(0.975, 47) ** 2
+    for r in (low, high):
+        assert (a.mean() - r * b.mean()) ** 2 == pytest.approx(t2 * np.var(a - r * b, ddof=1) / 48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (an empty mean warned "Mean of empty slice" on a user's console)
+        assert np.isnan(fieller_ratio([], [])).all()
+        one = fieller_ratio([2.0], [4.0])
+    assert one[0] == 0.5 and np.isnan(one[1:]).all()
+    assert np.isnan(fieller_ratio(np.zeros(5), np.zeros(5))).all()  # mean(b) = 0: no ratio
