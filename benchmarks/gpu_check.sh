@@ -60,19 +60,29 @@ fi
 has() { [[ $versions != *"$1 absent"* ]]; }
 mkdir -p "$OUT"
 
-# The package from this checkout, as setup.py lays it out (hf/, server/, eval/, vllm_plugin/ become
-# qmc_sampler.hf, ...): a temporary folder of links on PYTHONPATH, nothing built or installed (the C++
+# The package from this checkout, as setup.py lays it out (its SUBPACKAGES: hf/, server/, … become
+# qmc_sampler.hf, …): a temporary folder of links on PYTHONPATH, nothing built or installed (the C++
 # CPU kernel is left out, as on a fresh checkout: CPU logits take the torch path). Python runs with
-# -P, so the checkout's own qmc_sampler/ (without those subpackages) does not shadow it.
+# -P, so the checkout's own qmc_sampler/ (without those subpackages) does not shadow it. The import
+# check takes vllm_engine too: the vLLM steps need it, and the dry run skips them.
 PKG=$(mktemp -d)
 trap 'rm -rf "$PKG"' EXIT
 mkdir "$PKG/qmc_sampler"
 for entry in "$PWD"/qmc_sampler/*; do
   case $entry in *.so | */__pycache__) ;; *) ln -s "$entry" "$PKG/qmc_sampler/" ;; esac
 done
-for sub in hf server eval vllm_plugin; do ln -s "$PWD/$sub" "$PKG/qmc_sampler/$sub"; done
+if ! subpackages=$("$PY" -P -c '
+import ast
+tree = ast.parse(open("setup.py").read())
+(layout,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+             and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]
+print(" ".join(f"{name}={folder}" for name, folder in layout.items()))' 2>&1); then
+  echo "gpu-check: cannot read setup.py's SUBPACKAGES: ${subpackages##*$'\n'}"
+  exit 1
+fi
+for pair in $subpackages; do ln -s "$PWD/${pair#*=}" "$PKG/qmc_sampler/${pair%%=*}"; done
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! where=$("$PY" -P -c "import qmc_sampler.hf, qmc_sampler.kernels; print(qmc_sampler.__file__)" 2>&1); then
+if ! where=$("$PY" -P -c "import qmc_sampler.hf, qmc_sampler.kernels, qmc_sampler.vllm_engine.compat; print(qmc_sampler.__file__)" 2>&1); then
   echo "gpu-check: the package does not import from this checkout: ${where##*$'\n'}"
   exit 1
 fi

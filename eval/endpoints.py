@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from qmc_sampler.eval.generation import Completion, GroupJob, OnGroup, member_xargs
+from qmc_sampler.vllm_engine.checks import PROBE_METHOD  # the design no server admits: the plugin says so
 
 __all__ = ["Endpoint", "EndpointBackend", "EndpointError"]
 
-PROBE_METHOD = "-qmc-sampler-probe-"
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 #: Finish reasons of a whole sample; any other (vLLM's "abort", "error") is a member cut off and retried.
 _COMPLETE = ("stop", "length")

@@ -180,6 +180,25 @@ def make_toy_model(vocab: int, depth: int, seed: int, scale: float = 1.5) -> Toy
     return ToyModel(vocab=vocab, depth=depth, table=table)
 
 
+def package_folders() -> dict[str, str]:
+    """setup.py's layout, read off its ``SUBPACKAGES``: each part of the one ``qmc_sampler`` namespace
+    → the folder of the repository it is built from (``qmc_sampler`` → ``qmc_sampler``,
+    ``qmc_sampler.hf`` → ``hf``, …). The tests that copy, pack or read the package by its layout
+    take it from here, so a new folder in setup.py reaches all of them."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    (subpackages,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                      and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]  # fmt: skip
+    return {"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{name}": folder for name, folder in subpackages.items()}}
+
+
+@pytest.fixture(scope="session", name="package_folders")
+def package_folders_fixture() -> dict[str, str]:
+    """:func:`package_folders` as a fixture."""
+    return package_folders()
+
+
 @pytest.fixture(scope="session")
 def toy_model() -> ToyModel:
     """Vocabulary 4, distributions for prefixes of length 0..2 (three sampled steps)."""

@@ -1,7 +1,6 @@
 """The wheel a user installs holds every module of the package: a subpackage missing from
 setup.py still imports in the editable checkout the suite runs on, and fails on a user's machine."""
 
-import ast
 import os
 import shutil
 import subprocess
@@ -12,15 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def folders() -> dict[str, str]:
-    """setup.py's package_dir: where each part of the one ``qmc_sampler`` namespace lives in the tree."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    (doors,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]  # fmt: skip
-    return {"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{name}": folder for name, folder in doors.items()}}
-
-
-def test_the_wheel_holds_every_module_of_the_package(tmp_path):
+def test_the_wheel_holds_every_module_of_the_package(tmp_path, package_folders):
     # Built from a copy of what git has (tracked, or new and not ignored): setuptools packs what an
     # earlier build left in the tree's build/ too.
     source = tmp_path / "source"
@@ -41,7 +32,7 @@ def test_the_wheel_holds_every_module_of_the_package(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {
         f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder).as_posix()}"
-        for package, folder in folders().items()
+        for package, folder in package_folders.items()
         for path in (ROOT / folder).rglob("*.py")
     }
     assert "qmc_sampler/members/registry.py" in modules and not modules - names, sorted(modules - names)

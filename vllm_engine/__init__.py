@@ -1,9 +1,11 @@
-"""vLLM as every door that drives it meets it (``qmc_sampler.vllm_engine``), apart from the plugin.
+"""vLLM as the doors that drive it meet it (``qmc_sampler.vllm_engine``): what the plugin, qmc-serve
+and qmc-eval share of vLLM, kept out of any one of them.
 
 :mod:`.compat` is the table of every vLLM object the package touches (where each release keeps
 it, the parameters a wrapped function must have) and the check of that table against a release's
-sources; :mod:`.checks` asks a running engine, through vLLM's own API, whether its front-end and
-every worker run the plugin. The plugin (``qmc_sampler.vllm_plugin``), ``qmc-serve``
-(``qmc_sampler.server``) and ``qmc-eval``'s in-process engine (``qmc_sampler.eval``) use both; neither
-module imports any of them, nor vLLM until a function is called.
+sources: the plugin (``qmc_sampler.vllm_plugin``: its hooks and logprobs) and ``qmc-serve``
+(``qmc_sampler.server``) find vLLM's objects through it. :mod:`.checks` asks a running engine,
+through vLLM's own API, whether its front-end and every worker run the plugin: ``qmc-serve`` and
+``qmc-eval``'s in-process engine (``qmc_sampler.eval``) ask before they serve or sample. Neither
+module imports a door, nor vLLM until a function is called.
 """

@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The installed package name → the source folder it is built from (setup.py's package_dir).
-PACKAGE_DIRS = {"": "qmc_sampler", "eval": "eval", "vllm_plugin": "vllm_plugin", "server": "server", "hf": "hf"}
 
 
 @dataclass(frozen=True)
@@ -277,11 +275,13 @@ MUTANTS = [
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    """The package as installed (``qmc_sampler`` with its subpackages and built kernel), copied."""
+def pristine(tmp_path_factory, package_folders) -> Path:
+    """The package as installed (``qmc_sampler`` with its subpackages and built kernel, laid out as
+    setup.py lays it out), copied."""
     target = tmp_path_factory.mktemp("pristine")
-    for sub, source in PACKAGE_DIRS.items():
-        shutil.copytree(ROOT / source, target / "qmc_sampler" / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    for package, source in package_folders.items():
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(ROOT / source, target.joinpath(*package.split(".")), ignore=ignore)
     return target
 
 
@@ -297,15 +297,19 @@ def run_killers(warm_python, package: Path, killers: tuple[str, ...], engine: bo
     return warm_python.run(args, env=env, cwd=ROOT, path_first=(str(package),), timeout=600)
 
 
-def test_the_copy_is_what_the_killers_import(pristine, warm_python):
+def test_the_copy_is_what_the_killers_import(pristine, warm_python, package_folders):
+    # Every part of the package, each from the copy: a subpackage left out of it would be imported
+    # from the repository by the editable install's finder, and its mutants would go untested.
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    print(importlib.import_module(name).__file__)"
     probe = warm_python.run(
-        ["-c", "import qmc_sampler.eval.passk as p; print(p.__file__)"],
+        ["-c", code, *package_folders],
         env=os.environ | {"PYTHONPATH": str(pristine)},
         cwd=ROOT,
         path_first=(str(pristine),),
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
-    assert probe.stdout.strip().startswith(str(pristine))
+    files = probe.stdout.split()
+    assert len(files) == len(package_folders) and all(f.startswith(str(pristine)) for f in files), files
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
@@ -313,7 +317,7 @@ def test_the_suite_kills_the_mutant(pristine, warm_python, tmp_path, mutant):
     package = tmp_path / "mutant"
     shutil.copytree(pristine, package)
     relative = Path(mutant.path)
-    # qmc_sampler/… is the package itself; the other source folders are its subpackages (PACKAGE_DIRS).
+    # qmc_sampler/… is the package itself; the other source folders are its subpackages (setup.py).
     source = package / relative if relative.parts[0] == "qmc_sampler" else package / "qmc_sampler" / relative
     text = source.read_text()
     assert text.count(mutant.original) == 1, f"{mutant.path} no longer has the line this mutant flips: update it"
