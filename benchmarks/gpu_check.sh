@@ -71,16 +71,18 @@ mkdir "$PKG/qmc_sampler"
 for entry in "$PWD"/qmc_sampler/*; do
   case $entry in *.so | */__pycache__) ;; *) ln -s "$entry" "$PKG/qmc_sampler/" ;; esac
 done
-if ! subpackages=$("$PY" -P -c '
+if ! "$PY" -P -c '
 import ast
 tree = ast.parse(open("setup.py").read())
 (layout,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
              and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]
-print(" ".join(f"{name}={folder}" for name, folder in layout.items()))' 2>&1); then
-  echo "gpu-check: cannot read setup.py's SUBPACKAGES: ${subpackages##*$'\n'}"
+print("\n".join(f"{name}={folder}" for name, folder in layout.items()))' >"$PKG/layout" 2>"$PKG/layout.err"; then
+  echo "gpu-check: cannot read setup.py's SUBPACKAGES: $(tail -1 "$PKG/layout.err")"
   exit 1
 fi
-for pair in $subpackages; do ln -s "$PWD/${pair#*=}" "$PKG/qmc_sampler/${pair%%=*}"; done
+while IFS='=' read -r name folder; do
+  ln -sn "$PWD/$folder" "$PKG/qmc_sampler/$name" || exit 1
+done <"$PKG/layout"
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! where=$("$PY" -P -c "import qmc_sampler.hf, qmc_sampler.kernels, qmc_sampler.vllm_engine.compat; print(qmc_sampler.__file__)" 2>&1); then
   echo "gpu-check: the package does not import from this checkout: ${where##*$'\n'}"

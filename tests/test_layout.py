@@ -4,8 +4,9 @@ the start-up check) imports no door; and no door — the vLLM plugin, qmc-serve,
 transformers path — imports another: what two doors share lives in the core or in ``vllm_engine``.
 
 Read are the import statements (absolute, relative, inside functions), ``__import__`` and
-``importlib.import_module`` with literal names; a module name computed at run time, or handed to
-vLLM as a string (``logits_processors=['qmc_sampler.vllm_plugin:…']``), is not an import here."""
+``importlib.import_module`` with literal arguments; a relative one that resolves to nothing fails.
+A module name computed at run time, or handed to vLLM as a string
+(``logits_processors=['qmc_sampler.vllm_plugin:…']``), is not an import here."""
 
 import ast
 from pathlib import Path
@@ -17,53 +18,89 @@ DOORS = ("vllm_plugin", "server", "eval", "hf")
 SHARED = ("vllm_engine",)
 
 
+#: What a relative import that no package resolves (a computed ``package``, or one that climbs past
+#: the top-level package) stands for: a part of no layer, so no test lets it through.
+UNRESOLVED = "<unresolved relative import>"
+
+
 def imported(path: Path, package: str) -> set[str]:
     """The absolute names of the modules the Python file ``path`` imports, anywhere in it.
 
     Args:
         path: the file.
         package: the package the file belongs to once installed (``qmc_sampler.server`` for
-            ``server/main.py``; the package itself for an ``__init__.py``), against which
-            relative imports resolve.
+            ``server/main.py``; the package itself for an ``__init__.py``): its ``__package__``,
+            against which relative imports resolve.
 
     Returns:
         ``import a.b`` gives ``a.b``; ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (``c``
-        may be a module); ``from ..x import y`` the same, resolved; ``__import__("a")`` and
-        ``import_module("a")`` / ``import_module(".a", "pkg")`` with literal names give ``a`` /
-        ``pkg.a``.
+        may be a module); ``from ..x import y`` the same, resolved; ``import_module(name,
+        package)`` and ``__import__(name, …, fromlist, level)`` with literal arguments
+        (positional or keyword; ``__package__`` for the file's package) as those statements
+        would. A relative name with no literal package, or one past the top-level package, gives
+        :data:`UNRESOLVED`; a name computed at run time gives nothing.
     """
 
-    def resolve(name: str, level: int, anchor: str) -> str:
+    def resolve(name: str, level: int, anchor: str | None) -> str:
         if level == 0:
             return name
-        base = anchor.split(".")[: len(anchor.split(".")) - (level - 1)]
+        parts = anchor.split(".") if anchor else []
+        if level > len(parts):
+            return UNRESOLVED
+        base = parts[: len(parts) - (level - 1)]
         return ".".join([*base, name] if name else base)
 
-    names: set[str] = set()
+    def literal(node: ast.expr | None) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name) and node.id == "__package__":
+            return package
+        return None
+
+    def arguments(call: ast.Call, names: tuple[str, ...]) -> dict[str, ast.expr]:
+        return dict(zip(names, call.args, strict=False)) | {k.arg: k.value for k in call.keywords if k.arg}
+
+    def called(node: ast.AST) -> str | None:
+        return getattr(node.func, "attr", getattr(node.func, "id", None)) if isinstance(node, ast.Call) else None
+
+    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             module = resolve(node.module or "", node.level, package)
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
-            "import_module",
-            "__import__",
-        ):
-            literal = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None for a in node.args]
-            if literal and literal[0]:
-                name = literal[0]
-                if name.startswith(".") and len(literal) > 1 and literal[1]:  # import_module(".x", "pkg")
-                    stripped = name.lstrip(".")
-                    name = resolve(stripped, len(name) - len(stripped), literal[1])
-                names.add(name)
-    return names
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names if module != UNRESOLVED)
+        elif called(node) == "import_module":
+            args = arguments(node, ("name", "package"))
+            name = literal(args.get("name"))
+            if name:
+                stripped = name.lstrip(".")
+                found.add(resolve(stripped, len(name) - len(stripped), literal(args.get("package"))))
+        elif called(node) == "__import__":
+            args = arguments(node, ("name", "globals", "locals", "fromlist", "level"))
+            name, level = literal(args.get("name")), args.get("level")
+            if name is None:
+                continue
+            if level is None:
+                module = name
+            elif isinstance(level, ast.Constant) and isinstance(level.value, int):
+                module = resolve(name, level.value, package)
+            else:
+                module = UNRESOLVED
+            found.add(module)
+            fromlist = args.get("fromlist")
+            if module != UNRESOLVED and isinstance(fromlist, ast.List | ast.Tuple):
+                found.update(f"{module}.{item}" for item in map(literal, fromlist.elts) if item)
+    return found
 
 
 def part_of(name: str) -> str | None:
-    """Which part of the package a module name belongs to (a door, ``vllm_engine``, ``core``),
-    or None for a module of another distribution."""
+    """Which part of the package a module name belongs to (a door, ``vllm_engine``, ``core``;
+    :data:`UNRESOLVED` for a relative import that resolves to nothing), or None for a module of
+    another distribution."""
+    if name == UNRESOLVED:
+        return UNRESOLVED
     pieces = name.split(".")
     if pieces[0] != "qmc_sampler":
         return None
@@ -94,24 +131,41 @@ def test_the_import_reader_sees_every_form_of_import(tmp_path):
         "    import importlib\n    return importlib.import_module('qmc_sampler.server.main')\n"
         "from . import sibling\nfrom ..hf import rows\nfrom .. import eval\n"
         "__import__('qmc_sampler.vllm_engine')\nimport_module('.fields', 'qmc_sampler.server')\n"
+        "importlib.import_module('.plan', package='qmc_sampler.eval')\n"
+        "importlib.import_module('..vllm_plugin.adapters', __package__)\n"
+        "__import__('qmc_sampler', fromlist=['members'])\n__import__('middleware', globals(), None, ['x'], 1)\n"
     )
     assert imported(source, "qmc_sampler.server") == {
         "os.path", "qmc_sampler.members", "qmc_sampler.members.keys", "qmc_sampler.vllm_plugin.hooks",
         "qmc_sampler.vllm_plugin.hooks.register", "importlib", "qmc_sampler.server.main",
         "qmc_sampler.server", "qmc_sampler.server.sibling", "qmc_sampler.hf", "qmc_sampler.hf.rows",
         "qmc_sampler", "qmc_sampler.eval", "qmc_sampler.vllm_engine", "qmc_sampler.server.fields",
+        "qmc_sampler.eval.plan", "qmc_sampler.vllm_plugin.adapters", "qmc_sampler.server.middleware",
+        "qmc_sampler.server.middleware.x",
     }  # fmt: skip
-    assert [part_of(n) for n in ("qmc_sampler", "qmc_sampler.members.keys", "qmc_sampler.hf", "vllm")] == [
-        "core", "core", "hf", None,
+    # What cannot be resolved is kept, as a part no layer allows: a relative name without a literal
+    # package, a level that is not a number, or one that climbs past the top-level package.
+    source.write_text(
+        "import_module('.x', package=pkg)\n__import__('y', globals(), None, [], level)\nfrom ...... import z\n"
+    )
+    assert imported(source, "qmc_sampler.server") == {UNRESOLVED}
+    assert [part_of(n) for n in ("qmc_sampler", "qmc_sampler.members.keys", "qmc_sampler.hf", "vllm", UNRESOLVED)] == [
+        "core", "core", "hf", None, UNRESOLVED,
     ]  # fmt: skip
 
 
-def test_a_door_importing_another_is_found_in_a_tree_laid_out_as_the_package(tmp_path):
+def test_crossings_are_found_in_a_tree_laid_out_as_the_package(tmp_path):
     (tmp_path / "server" / "sub").mkdir(parents=True)
     (tmp_path / "server" / "fine.py").write_text("from qmc_sampler.vllm_engine import compat\nfrom . import other\n")
+    (tmp_path / "server" / "sub" / "__init__.py").write_text("from .. import fields\n")  # qmc_sampler.server.fields
     (tmp_path / "server" / "sub" / "deep.py").write_text("def f():\n    from ...vllm_plugin import hooks\n")
     assert crossings(tmp_path, "qmc_sampler.server", "server", {None, "core", *SHARED, "server"}) == {
         "server/sub/deep.py": ["qmc_sampler.vllm_plugin", "qmc_sampler.vllm_plugin.hooks"]
+    }
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "m.py").write_text("import numpy\ndef f():\n    import vllm.config\n")
+    assert crossings(tmp_path, "qmc_sampler", "core", {None, "core"}, forbidden=("vllm",)) == {
+        "core/m.py": ["vllm.config"]
     }
 
 

@@ -6,6 +6,7 @@ it, the parameters a wrapped function must have) and the check of that table aga
 sources: the plugin (``qmc_sampler.vllm_plugin``: its hooks and logprobs) and ``qmc-serve``
 (``qmc_sampler.server``) find vLLM's objects through it. :mod:`.checks` asks a running engine,
 through vLLM's own API, whether its front-end and every worker run the plugin: ``qmc-serve`` and
-``qmc-eval``'s in-process engine (``qmc_sampler.eval``) ask before they serve or sample. Neither
-module imports a door, nor vLLM until a function is called.
+``qmc-eval``'s in-process engine (``qmc_sampler.eval``) ask before they serve or sample, qmc-serve's
+stats route reads every worker's plugin stats through it, and qmc-eval's endpoint check sends its
+probe design to a served model. Neither module imports a door, nor vLLM until a function is called.
 """

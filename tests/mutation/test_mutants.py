@@ -279,9 +279,9 @@ def pristine(tmp_path_factory, package_folders) -> Path:
     """The package as installed (``qmc_sampler`` with its subpackages and built kernel, laid out as
     setup.py lays it out), copied."""
     target = tmp_path_factory.mktemp("pristine")
-    for package, source in package_folders.items():
-        ignore = shutil.ignore_patterns("__pycache__")
-        shutil.copytree(ROOT / source, target.joinpath(*package.split(".")), ignore=ignore)
+    ignore = shutil.ignore_patterns("__pycache__")
+    for package, source in package_folders.items():  # qmc_sampler first, then its subpackages inside it
+        shutil.copytree(ROOT / source, target.joinpath(*package.split(".")), ignore=ignore, dirs_exist_ok=True)
     return target
 
 
@@ -308,17 +308,18 @@ def test_the_copy_is_what_the_killers_import(pristine, warm_python, package_fold
         path_first=(str(pristine),),
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
-    files = probe.stdout.split()
-    assert len(files) == len(package_folders) and all(f.startswith(str(pristine)) for f in files), files
+    files = [Path(line) for line in probe.stdout.splitlines()]
+    assert len(files) == len(package_folders) and all(f.is_relative_to(pristine) for f in files), files
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
-def test_the_suite_kills_the_mutant(pristine, warm_python, tmp_path, mutant):
+def test_the_suite_kills_the_mutant(pristine, warm_python, tmp_path, mutant, package_folders):
     package = tmp_path / "mutant"
     shutil.copytree(pristine, package)
     relative = Path(mutant.path)
-    # qmc_sampler/… is the package itself; the other source folders are its subpackages (setup.py).
-    source = package / relative if relative.parts[0] == "qmc_sampler" else package / "qmc_sampler" / relative
+    # The source file's folder is a part of the package (setup.py): its place in the copy.
+    installed = {folder: name for name, folder in package_folders.items()}[relative.parts[0]]
+    source = package.joinpath(*installed.split("."), *relative.parts[1:])
     text = source.read_text()
     assert text.count(mutant.original) == 1, f"{mutant.path} no longer has the line this mutant flips: update it"
     source.write_text(text.replace(mutant.original, mutant.mutated))

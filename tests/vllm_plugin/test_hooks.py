@@ -1,7 +1,8 @@
 """The plugin's hooks on the installed vLLM release (``qmc_sampler.vllm_plugin.hooks``): each runner's
-sampler is wrapped on its own and never twice, and on releases whose Model Runner V2 runs no logits
-processors (< 0.31) installing the package is said and can be undone (``make compat`` runs this on
-every release of the supported range)."""
+sampler is wrapped for logprobs on its own, registering again wraps no touch point twice, and on
+releases whose Model Runner V2 runs no logits processors (< 0.31) installing the package is said and
+can be undone (``make compat VLLM=X`` runs this on X; CI on each release of ``.ci/run``'s
+``COMPAT_VLLM``)."""
 
 import logging
 from pathlib import Path
