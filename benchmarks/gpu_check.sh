@@ -71,12 +71,7 @@ mkdir "$PKG/qmc_sampler"
 for entry in "$PWD"/qmc_sampler/*; do
   case $entry in *.so | */__pycache__) ;; *) ln -s "$entry" "$PKG/qmc_sampler/" ;; esac
 done
-if ! "$PY" -P -c '
-import ast
-tree = ast.parse(open("setup.py").read())
-(layout,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-             and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]
-print("\n".join(f"{name}={folder}" for name, folder in layout.items()))' >"$PKG/layout" 2>"$PKG/layout.err"; then
+if ! "$PY" -P tests/package_layout.py >"$PKG/layout" 2>"$PKG/layout.err"; then
   echo "gpu-check: cannot read setup.py's SUBPACKAGES: $(tail -1 "$PKG/layout.err")"
   exit 1
 fi

@@ -180,23 +180,17 @@ def make_toy_model(vocab: int, depth: int, seed: int, scale: float = 1.5) -> Toy
     return ToyModel(vocab=vocab, depth=depth, table=table)
 
 
+@pytest.fixture(scope="session")
 def package_folders() -> dict[str, str]:
-    """setup.py's layout, read off its ``SUBPACKAGES``: each part of the one ``qmc_sampler`` namespace
-    → the folder of the repository it is built from (``qmc_sampler`` → ``qmc_sampler``,
-    ``qmc_sampler.hf`` → ``hf``, …). The tests that copy, pack or read the package by its layout
-    take it from here, so a new folder in setup.py reaches all of them."""
-    import ast
+    """setup.py's layout (``tests/package_layout.py``): each part of the one ``qmc_sampler`` namespace
+    → the folder of the repository it is built from. The tests that copy, pack or read the package by
+    its layout take it from here, so a new folder in setup.py reaches all of them."""
+    import importlib.util
 
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
-    (subpackages,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                      and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUBPACKAGES"]]  # fmt: skip
-    return {"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{name}": folder for name, folder in subpackages.items()}}
-
-
-@pytest.fixture(scope="session", name="package_folders")
-def package_folders_fixture() -> dict[str, str]:
-    """:func:`package_folders` as a fixture."""
-    return package_folders()
+    spec = importlib.util.spec_from_file_location("package_layout", Path(__file__).with_name("package_layout.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.package_folders()
 
 
 @pytest.fixture(scope="session")
