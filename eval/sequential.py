@@ -26,6 +26,12 @@ i.i.d. (``design="iid"``) gives both guarantees in either mode.
 logits function); every round of every unfinished prompt goes to the backend at
 once, and the engine's prefix cache keeps each prompt's KV blocks between rounds.
 
+With ``out``, a rerun resumes its own run only: every record carries the run's identity (seed,
+order, sampling, prompts, verifier, want/cap/round_size/mode) and its group seed, and a file whose
+records differ from this call's is refused naming what differs (:func:`run_identity`). Designs are
+not part of it: one file may hold several designs' groups side by side (the same prompts and seeds,
+as ``qmc-eval`` compares them), each resumed by its own call.
+
 Longer than our ~400 lines on purpose: both modes share the round loop, and what each
 guarantees is stated beside the code that keeps it.
 """
@@ -55,8 +61,10 @@ __all__ = [
     "design_size",
     "round_job",
     "round_seed",
+    "run_identity",
     "sample_until",
     "sequential_designs",
+    "verifier_name",
 ]
 
 #: ``first``: one extensible group, fewest samples; ``unbiased``: one group per round, every correct member kept.
@@ -219,7 +227,8 @@ def sample_until(
             member kept); the module docstring says what each guarantees.
         sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``stop``.
         order: vocabulary order of the design (``id`` or ``sorted``).
-        out: a JSONL file written round by round; rerunning with the same file resumes.
+        out: a JSONL file written round by round; rerunning with the same file resumes this run
+            (the same settings, prompts and verifier: :func:`run_identity`), and refuses another's.
         progress: show a bar over prompts.
 
     Returns:
@@ -227,7 +236,7 @@ def sample_until(
 
     Raises:
         ValueError: bad settings (see :func:`check_until`), a backend that cannot serve rounds,
-            or an ``out`` file written with other settings.
+            or an ``out`` file written by another run (one line naming the settings that differ).
     """
     check_until(want, cap, round_size, design, mode)
     if not hasattr(backend, "supports_rounds") and hasattr(backend, "llm_engine"):
@@ -251,7 +260,9 @@ def sample_until(
         )
         for i, p in enumerate(prompts)
     ]
-    settings = {"want": want, "cap": cap, "round_size": round_size, "mode": mode, "seed": seed}
+    settings = {"want": want, "cap": cap, "round_size": round_size, "mode": mode} | run_identity(
+        prompts, verify, seed=seed, sampling=sampling, order=order
+    )
 
     def score(job: GroupJob, text: str) -> dict[str, Any]:
         return {"correct": bool(verify(prompts[job.key[1]], text))}
@@ -264,6 +275,53 @@ def prompt_seed(seed: int, index: int) -> int:
     """Prompt ``index``'s group seed, a 63-bit hash of (run seed, index)."""
     digest = hashlib.blake2b(f"{seed}|until|{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def run_identity(
+    prompts: Sequence[Any],
+    verify: Verify,
+    *,
+    seed: int,
+    sampling: dict[str, Any] | None,
+    order: str,
+) -> dict[str, Any]:
+    """What a :func:`sample_until` run records in every line of its ``out`` file, and a resume must match.
+
+    Returns:
+        JSON values: ``seed``, ``order``, ``sampling`` (as JSON writes it), ``prompts`` (their count
+        and a SHA-256 of their JSON, in order) and ``verifier`` (:func:`verifier_name`). Each record
+        also carries its design (``sampler``: records of other designs are other groups, left as they
+        are) and its group seed, checked against the one this run derives.
+    """
+    text = json.dumps(list(prompts), sort_keys=True, ensure_ascii=False, default=repr)
+    return {
+        "seed": seed,
+        "order": order,
+        "sampling": _as_json(dict(sampling or {})),
+        "prompts": f"{len(prompts)} prompts, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}",
+        "verifier": verifier_name(verify),
+    }
+
+
+def verifier_name(verify: Any) -> str:
+    """A verifier's recorded identity: the module and qualified name of a function or method, of a callable
+    object's class, or of a ``functools.partial``'s function (its bound arguments' reprs appended).
+
+    It names *which* verifier a file was scored with, not its code or state: a verifier edited under the
+    same name (or two lambdas at one place) reads the same, so score an edited verifier into another file.
+    """
+    import functools
+
+    if isinstance(verify, functools.partial):
+        bound = [repr(a) for a in verify.args] + [f"{k}={v!r}" for k, v in sorted(verify.keywords.items())]
+        return f"partial({verifier_name(verify.func)}{''.join(', ' + b for b in bound)})"
+    named = verify if hasattr(verify, "__qualname__") else type(verify)
+    return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as it reads back from a JSON line (tuples as lists; other objects by repr)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=repr))
 
 
 Score = Callable[[GroupJob, str], dict[str, Any]]
@@ -290,21 +348,23 @@ def run_rounds(
         templates: one job per sequential group (its key names it).
         backend: has ``run(jobs, on_group)`` and ``supports_rounds``.
         score: ``score(job, text)`` → ``{"correct": bool, …}`` (other keys are written with the member).
-        settings: ``want``, ``cap``, ``round_size``, ``mode`` (and anything else to record and check).
+        settings: ``want``, ``cap``, ``round_size``, ``mode`` and anything else that identifies the run
+            (JSON values), written in every record and compared with the records already in ``out``.
         out: the JSONL file; extra: more fields for a template's records (task, problem id, …).
 
     Returns:
         The members of each template's key, in generation order.
 
     Raises:
-        ValueError: ``out`` holds records written with other settings.
+        ValueError: ``out`` holds records of another run: other settings, or group seeds other than
+            this run's (one line naming what differs).
     """
     from tqdm import tqdm
 
     want, cap, r, mode = settings["want"], settings["cap"], settings["round_size"], settings["mode"]
     members: dict[tuple, list[Member]] = {t.key: [] for t in templates}
     if out is not None and out.exists():
-        _read_back(out, members, settings)
+        _read_back(out, members, settings, {t.key: t for t in templates})
 
     def finished(key: tuple) -> bool:
         got = members[key]
@@ -367,7 +427,7 @@ def _record(
         "member": m.member,
         "group_seed": job.seed,
         "n": job.n,
-        **{k: settings[k] for k in ("want", "cap", "round_size", "mode")},
+        **settings,
         "text": m.text,
         "finish_reason": m.finish_reason,
         "score": m.correct,
@@ -376,17 +436,28 @@ def _record(
     return record | (extra(template) if extra else {})
 
 
-def _read_back(out: Path, members: dict[tuple, list[Member]], settings: dict[str, Any]) -> None:
+def _read_back(
+    out: Path, members: dict[tuple, list[Member]], settings: dict[str, Any], templates: dict[tuple, GroupJob]
+) -> None:
+    """Read the rounds already in ``out`` into ``members``, refusing records of another run (any
+    setting, or a group seed, other than this run's); a torn last round is cut from the file."""
     by_key = {(str(k[0]), str(k[1]), str(k[2])): k for k in members}
+    expected = _as_json(settings)
+    mode = settings["mode"]
     rounds: dict[tuple, dict[int, list[Member]]] = {}
     for number, rec in enumerate(read_samples(out, repair=True), start=1):
-        for name in ("want", "cap", "round_size", "mode"):
-            if rec.get(name) != settings[name]:
-                raise ValueError(
-                    f"{out}:{number}: written with {name}={rec.get(name)!r}, not {settings[name]!r}; "
-                    "use another file or the same settings to resume"
-                )
+        differ = [_differs(name, rec, value) for name, value in expected.items() if rec.get(name, _MISSING) != value]
         key = by_key.get((str(rec["sampler"]), str(rec["problem"]), str(rec.get("group", 0))))
+        if key is not None and not differ:
+            seed = templates[key].seed
+            seed = seed if mode == "first" else round_seed(seed, int(rec["round"]))
+            if rec.get("group_seed") != seed:
+                differ.append(_differs("group_seed", rec, seed))
+        if differ:
+            raise ValueError(
+                f"{out}:{number}: written by another run ({'; '.join(differ)}); "
+                "use another file, or the same settings to resume"
+            )
         if key is None:
             continue
         m = Member(
@@ -407,6 +478,16 @@ def _read_back(out: Path, members: dict[tuple, list[Member]], settings: dict[str
         partial = out.with_suffix(out.suffix + ".partial")
         partial.write_text("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in kept), encoding="utf-8")
         partial.replace(out)
+
+
+_MISSING = object()
+
+
+def _differs(name: str, record: dict[str, Any], value: Any) -> str:
+    """One setting a record differs in, for the refusal's one line."""
+    if name not in record:
+        return f"{name} not recorded (written before runs recorded it), this run's is {value!r}"
+    return f"{name}={record[name]!r}, not {value!r}"
 
 
 def load_until(records: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
