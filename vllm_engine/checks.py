@@ -40,6 +40,12 @@ def _check_workers(stats: list[dict[str, Any]]) -> dict[str, Any]:
     missing = [i for i, s in enumerate(stats) if not s.get("processors")]
     if missing:
         raise RuntimeError(f"vLLM worker(s) {missing} do not run the qmc-sampler logits processor: {_HOW}")
+    inactive = {i: s["inactive"] for i, s in enumerate(stats) if s.get("inactive")}
+    if inactive:
+        raise RuntimeError(
+            f"the qmc-sampler logits processor is inactive in vLLM worker(s) {sorted(inactive)} "
+            f"({next(iter(inactive.values()))}): use a vLLM release of qmc-sampler's tested range"
+        )
     return stats[0]
 
 

@@ -15,6 +15,7 @@ import ast
 import importlib
 import inspect
 import sys
+import textwrap
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,14 +23,19 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "INTERFACES",
     "TOUCHPOINTS",
     "Touchpoint",
     "TouchpointError",
     "check_sources",
+    "engine_runner",
+    "find",
+    "interface_problem",
     "locate",
     "locate_with_owner",
     "main",
     "present",
+    "runner_problem",
 ]
 
 
@@ -47,6 +53,8 @@ class Touchpoint:
             is never optional.
         only_with: another touch point's name: this one is needed only where that one exists
             (MRV2's sampler matters only on releases whose MRV2 runs logits processors).
+        fields: for a class, the attributes the package reads off its instances (dataclass fields,
+            class-level annotations or ``self.name = …`` in its methods); None: not checked.
     """
 
     name: str
@@ -55,6 +63,7 @@ class Touchpoint:
     feature: str
     optional: bool = False
     only_with: str | None = None
+    fields: tuple[str, ...] | None = None
 
 
 _V1_SAMPLE = ("self", "logits", "sampling_metadata", "logprobs_mode_override")
@@ -71,24 +80,49 @@ _V2_SAMPLE = (
     "return_logprobs",
 )
 
+_V1 = "the plugin under the V1 runner (vLLM < 0.34: every CPU engine)"
+_MRV2 = "the plugin under Model Runner V2 (vLLM >= 0.31; the only runner from 0.34)"
+_MRV2_LP = "vllm.v1.worker.gpu.sample.logits_processor"
+
 TOUCHPOINTS: dict[str, Touchpoint] = {
     t.name: t
     for t in (
-        Touchpoint("v1_processor", ("vllm.v1.sample.logits_processor:LogitsProcessor",), None,
-                   "the plugin under the V1 runner (every CPU engine)"),
-        Touchpoint("batch_update", ("vllm.v1.sample.logits_processor:BatchUpdate",), None,
-                   "the plugin under the V1 runner"),
+        # The V1 runner: gone in vLLM 0.34, so optional; what it needs is needed only where it exists.
+        Touchpoint("v1_processor", ("vllm.v1.sample.logits_processor:LogitsProcessor",), None, _V1, optional=True),
+        Touchpoint("batch_update", ("vllm.v1.sample.logits_processor:BatchUpdate",), None, _V1,
+                   only_with="v1_processor"),
         Touchpoint("move_directionality", ("vllm.v1.sample.logits_processor.interface:MoveDirectionality",), None,
-                   "the plugin under the V1 runner"),
+                   _V1, only_with="v1_processor"),
         Touchpoint("v1_sample", ("vllm.v1.sample.sampler:Sampler.sample",), _V1_SAMPLE,
-                   "correct processed logprobs of designed rows under the V1 runner"),
+                   "correct processed logprobs of designed rows under the V1 runner", only_with="v1_processor"),
         Touchpoint("apply_top_k_top_p", ("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",), None,
-                   "correct processed logprobs of designed rows under the V1 runner"),
-        Touchpoint("mrv2_processor", ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",), None,
+                   "correct processed logprobs of designed rows under the V1 runner", only_with="v1_processor"),
+        # Model Runner V2: absent before 0.31 (no MRV2 logits processors); everything its adapter reads.
+        Touchpoint("mrv2_processor", (f"{_MRV2_LP}:LogitsProcessor",), None,
                    "the plugin under Model Runner V2 (vLLM < 0.31 has no MRV2 logits processors: vLLM then "
                    "runs the V1 runner wherever a logits-processor entry point is installed)", optional=True),
+        Touchpoint("mrv2_init", (f"{_MRV2_LP}:LogitsProcessor.__init__",), ("self", "vllm_config", "req_states"),
+                   _MRV2, only_with="mrv2_processor"),
+        Touchpoint("mrv2_add_request", (f"{_MRV2_LP}:LogitsProcessor.add_request",),
+                   ("self", "req_idx", "sampling_params"), _MRV2, only_with="mrv2_processor"),
+        Touchpoint("mrv2_apply_staged_writes", (f"{_MRV2_LP}:LogitsProcessor.apply_staged_writes",), ("self",),
+                   _MRV2, only_with="mrv2_processor"),
+        Touchpoint("mrv2_apply", (f"{_MRV2_LP}:LogitsProcessor.apply",), ("self", "logits", "ctx"), _MRV2,
+                   only_with="mrv2_processor"),
+        Touchpoint("mrv2_context", (f"{_MRV2_LP}:LogitsContext",), None, _MRV2, only_with="mrv2_processor",
+                   fields=("idx_mapping_np", "seq_lens_upper_bound_np", "input_ids")),
+        Touchpoint("mrv2_request_state", (f"{_MRV2_LP}:LogitsProcRequestState",), None, _MRV2,
+                   only_with="mrv2_processor", fields=("prompt_len", "prefill_len", "all_token_ids")),
+        Touchpoint("mrv2_host_buffer", ("vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor",), None,
+                   _MRV2 + ": prompt_len and prefill_len read on the host", only_with="mrv2_processor",
+                   fields=("np",)),
+        Touchpoint("mrv2_token_buffer", ("vllm.v1.worker.gpu.buffer_utils:StagedWriteTensor",), None,
+                   _MRV2 + ": a request's tokens read at admission", only_with="mrv2_processor", fields=("gpu",)),
         Touchpoint("mrv2_sample", ("vllm.v1.worker.gpu.sample.sampler:Sampler.sample",), _V2_SAMPLE,
                    "correct processed logprobs of designed rows under Model Runner V2", only_with="mrv2_processor"),
+        Touchpoint("standalone_cpu_runner", ("vllm.platforms.interface:Platform.uses_standalone_cpu_model_runner",),
+                   None, "seeing that a CPU engine runs vLLM's standalone runner, which runs no custom logits "
+                   "processors (vLLM >= 0.34 on non-x86 CPUs without Triton)", optional=True),
         Touchpoint("mrv2_unsupported", ("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",),
                    ("self",), "keeping Model Runner V2 on vLLM < 0.31 where VLLM_USE_V2_MODEL_RUNNER=1 asks for it",
                    optional=True),
@@ -160,6 +194,69 @@ def present(name: str) -> bool:
     return True
 
 
+def find(name: str) -> Any | None:
+    """:func:`locate`, or None where touch point ``name`` is absent or changed (never raises)."""
+    try:
+        return locate(name)
+    except TouchpointError:
+        return None
+
+
+#: Each logits-processor interface of vLLM's runners and every touch point the plugin's adapter for it
+#: reads; the plugin serves an interface only where all of them are as the table expects.
+INTERFACES: dict[str, tuple[str, ...]] = {
+    "v1": ("v1_processor", "batch_update", "move_directionality"),
+    "mrv2": ("mrv2_processor", "mrv2_init", "mrv2_add_request", "mrv2_apply_staged_writes", "mrv2_apply",
+             "mrv2_context", "mrv2_request_state", "mrv2_host_buffer", "mrv2_token_buffer"),
+}  # fmt: skip
+
+
+def interface_problem(runner: str) -> str | None:
+    """Why the plugin cannot serve ``runner``'s logits-processor interface on the running vLLM.
+
+    Args:
+        runner: ``"v1"`` or ``"mrv2"`` (a key of :data:`INTERFACES`).
+
+    Returns:
+        None where every touch point of the interface is there as expected, else one line naming the
+        first one that is not (absent, or another signature or fields).
+    """
+    for name in INTERFACES[runner]:
+        try:
+            locate(name)
+        except TouchpointError as e:
+            return str(e)
+    return None
+
+
+def engine_runner(vllm_config: Any = None) -> str:
+    """The runner whose logits-processor interface an engine of the running vLLM uses: ``"mrv2"`` where
+    the V1 runner is gone (vLLM >= 0.34) or the engine's config chose Model Runner V2, else ``"v1"``."""
+    if not present("v1_processor"):
+        return "mrv2"
+    return "mrv2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1"
+
+
+def runner_problem(runner: str) -> str | None:
+    """Why an engine of this process's vLLM platform on ``runner`` would not run the plugin, or None.
+
+    :func:`interface_problem`, and on vLLM >= 0.34 the platform's standalone CPU runner (non-x86 CPUs
+    without Triton), whose sampler runs no custom logits processors at all.
+    """
+    problem = interface_problem(runner)
+    if problem is not None or runner != "mrv2" or not present("standalone_cpu_runner"):
+        return problem
+    try:
+        from vllm.platforms import current_platform
+
+        standalone = bool(current_platform.uses_standalone_cpu_model_runner())
+    except Exception as e:  # a platform that cannot say: the plugin must not guess that it runs
+        return f"vLLM's platform cannot say which CPU runner it uses ({type(e).__name__}: {e})"
+    if standalone:
+        return "this CPU runs vLLM's standalone Model Runner V2 (no Triton), which runs no custom logits processors"
+    return None
+
+
 def locate_with_owner(name: str) -> tuple[Any, Any]:
     """:func:`locate`, also returning what holds the object (its class or module), for patching it."""
     point = TOUCHPOINTS[name]
@@ -178,6 +275,10 @@ def locate_with_owner(name: str) -> tuple[Any, Any]:
             found = _runtime_params(obj)
             if found != point.params:
                 raise TouchpointError(f"{place} has parameters {found}, not {point.params}: {point.feature} is off")
+        if point.fields is not None:
+            lacking = [f for f in point.fields if f not in _runtime_fields(obj)]
+            if lacking:
+                raise TouchpointError(f"{place} has no {', '.join(lacking)}: {point.feature} is off")
         return owner, obj
     raise TouchpointError(f"{' / '.join(missing)} not found: {point.feature} is off")
 
@@ -185,6 +286,40 @@ def locate_with_owner(name: str) -> tuple[Any, Any]:
 def _runtime_params(obj: Any) -> tuple[str, ...]:
     # inspect.signature follows __wrapped__: a function we wrapped earlier shows vLLM's own.
     return tuple(inspect.signature(obj).parameters)
+
+
+def _runtime_fields(cls: Any) -> set[str]:
+    """The attributes instances of ``cls`` have, read as :func:`check_sources` reads them (plus what the
+    class and its bases define), so that both checks agree."""
+    names: set[str] = set()
+    for klass in getattr(cls, "__mro__", (cls,)):
+        if klass is object:
+            continue
+        names |= set(vars(klass)) | set(getattr(klass, "__annotations__", {}))
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        names |= _class_fields(tree.body[0]) if tree.body and isinstance(tree.body[0], ast.ClassDef) else set()
+    return names
+
+
+def _class_fields(node: ast.ClassDef) -> set[str]:
+    """A class body's annotated names, plain class attributes and ``self.name = …`` targets in its methods."""
+    names: set[str] = set()
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            names.add(item.target.id)
+        elif isinstance(item, ast.Assign):
+            names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+        elif isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(item.name)
+            for sub in ast.walk(item):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                    sub, ast.AnnAssign | ast.AugAssign) else []  # fmt: skip
+                names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                          and t.value.id == "self"}  # fmt: skip
+    return names
 
 
 # ---- the same table, read off sources without importing them ------------------------------------
@@ -198,7 +333,9 @@ def check_sources(root: str | Path) -> dict[str, str]:
 
     Returns:
         ``{name: verdict}``, a verdict being ``"ok"``, ``"absent (optional)"``, ``"not needed
-        (…)"``, or a problem starting with ``"MISSING"`` or ``"SIGNATURE"``.
+        (…)"``, or a problem starting with ``"MISSING"`` or ``"SIGNATURE"``; and under
+        ``"interfaces"``, the logits-processor interfaces (:data:`INTERFACES`) the plugin can serve
+        there, or ``"MISSING …"`` where it can serve none.
     """
     read = _wheel_reader(Path(root)) if str(root).endswith(".whl") else _folder_reader(Path(root))
     verdicts: dict[str, str] = {}
@@ -208,17 +345,27 @@ def check_sources(root: str | Path) -> dict[str, str]:
             verdicts[point.name] = f"not needed (no {point.only_with})"
             continue
         for place in point.places:
-            found = _find_in_sources(read, *place.split(":"))
-            if found is None:
+            node = _find_in_sources(read, *place.split(":"))
+            if node is None:
                 continue
+            found = _params(node)
+            lacking = [f for f in point.fields or () if f not in _fields(node)]
             if point.params is not None and found != point.params:
                 verdict = f"SIGNATURE {place}: {found}, expected {point.params}"
+            elif lacking:
+                verdict = f"SIGNATURE {place}: no {', '.join(lacking)}"
             else:
                 verdict = "ok"
             break
         if verdict is None:
             verdict = "absent (optional)" if point.optional else f"MISSING {' / '.join(point.places)}"
         verdicts[point.name] = verdict
+    served = [runner for runner, names in INTERFACES.items() if all(verdicts[n] == "ok" for n in names)]
+    verdicts["interfaces"] = (
+        ", ".join(served)
+        if served
+        else "MISSING: no logits-processor interface the plugin knows (V1 runner or Model Runner V2)"
+    )
     return verdicts
 
 
@@ -248,8 +395,23 @@ def _module_source(read: Reader, module: str) -> str | None:
     return read(f"{base}.py") or read(f"{base}/__init__.py")
 
 
-def _find_in_sources(read: Reader, module: str, qualname: str, depth: int = 0) -> tuple[str, ...] | None:
-    """The parameters of ``module:qualname`` (``()`` for a class or a value), or None if absent.
+def _params(node: ast.AST) -> tuple[str, ...]:
+    """A function's parameters in :func:`inspect.signature`'s order (``()`` for a class or a value)."""
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return ()
+    args = node.args
+    # In inspect.signature's order, so the static check and locate() agree on *args/**kwargs too.
+    star = [args.vararg] if args.vararg else []
+    return tuple(a.arg for a in [*args.posonlyargs, *args.args, *star, *args.kwonlyargs,
+                                 *([args.kwarg] if args.kwarg else [])])  # fmt: skip
+
+
+def _fields(node: ast.AST) -> set[str]:
+    return _class_fields(node) if isinstance(node, ast.ClassDef) else set()
+
+
+def _find_in_sources(read: Reader, module: str, qualname: str, depth: int = 0) -> ast.AST | None:
+    """The definition of ``module:qualname`` (a class, function or assignment), or None if absent.
 
     Follows ``from X import name`` re-exports within vLLM (a package's ``__init__``)."""
     source = _module_source(read, module)
@@ -264,16 +426,7 @@ def _find_in_sources(read: Reader, module: str, qualname: str, depth: int = 0) -
                     origin = _absolute(module, node, source_is_package=_is_package(read, module))
                     if origin and origin.startswith("vllm"):
                         return _find_in_sources(read, origin, ".".join([alias.name, *rest]), depth + 1)
-    node = _lookup(tree.body, [head, *rest])
-    if node is None:
-        return None
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        args = node.args
-        # In inspect.signature's order, so the static check and locate() agree on *args/**kwargs too.
-        star = [args.vararg] if args.vararg else []
-        return tuple(a.arg for a in [*args.posonlyargs, *args.args, *star, *args.kwonlyargs,
-                                     *([args.kwarg] if args.kwarg else [])])  # fmt: skip
-    return ()
+    return _lookup(tree.body, [head, *rest])
 
 
 def _lookup(body: Iterable[ast.stmt], path: list[str]) -> ast.AST | None:
@@ -322,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         verdicts = check_sources(path)
         print(f"{path}:")
         for name, verdict in verdicts.items():
-            print(f"  {name:22s} {verdict}")
+            print(f"  {name:26s} {verdict}")
             failed |= verdict.startswith(("MISSING", "SIGNATURE"))
     return 1 if failed else 0
 

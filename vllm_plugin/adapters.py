@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from qmc_sampler.vllm_engine import compat
 from qmc_sampler.vllm_plugin.request_args import read_request
 
 from qmc_sampler.kernels import upload
@@ -57,8 +58,7 @@ class V1Rows:
 
     def update(self, batch_update: Any) -> None:
         """Apply a ``BatchUpdate``: removed → parked, added → admitted or resumed, moved → re-indexed."""
-        from vllm.v1.sample.logits_processor.interface import MoveDirectionality
-
+        swap = compat.locate("move_directionality").SWAP
         for index in batch_update.removed:
             self._park(index)
         # Every row an added request replaces leaves before any arrival is placed: a finished
@@ -75,7 +75,7 @@ class V1Rows:
             if ra is not None:
                 self.rows[b] = ra
             if rb is not None:
-                if direction == MoveDirectionality.SWAP:
+                if direction == swap:
                     self.rows[a] = rb
                 else:
                     # Condensing moves a row onto a slot whose request left the batch;

@@ -35,18 +35,32 @@ logger = logging.getLogger("vllm.qmc_sampler")
 
 
 def register() -> None:
-    """Install the logprobs wrap, the admission facts and the workers' stats method (idempotent)."""
+    """Install the logprobs wrap, the admission facts and the workers' stats method (idempotent).
+
+    Raises:
+        ValueError: ``QMC_SAMPLER_SALT`` is malformed (the user's own setting stops the engine at start).
+            Nothing else: a step that fails on an unknown vLLM is logged with its traceback and
+            skipped, since vLLM calls this in every process and an exception would stop every engine.
+    """
+    instance_salt()  # a malformed QMC_SAMPLER_SALT stops the engine at start, not each request
+    for step in (_install_logprobs, _record_engine_facts, _keep_model_runner_v2_choice, install_prompt_marks,
+                 _add_worker_stats):  # fmt: skip
+        try:
+            step()
+        except Exception:
+            logger.exception("qmc-sampler: %s failed on this vLLM and is skipped", step.__name__.strip("_"))
+
+
+def _install_logprobs() -> None:
     from qmc_sampler.vllm_plugin.logprobs import install
 
     install()
-    instance_salt()  # a malformed QMC_SAMPLER_SALT stops the engine at start, not each request
-    _record_engine_facts()
-    _keep_model_runner_v2_choice()
-    install_prompt_marks()
-    from vllm.v1.worker.worker_base import WorkerBase
 
-    if not hasattr(WorkerBase, "qmc_sampler_stats"):
-        WorkerBase.qmc_sampler_stats = _worker_stats  # type: ignore[attr-defined]
+
+def _add_worker_stats() -> None:
+    worker_base = compat.locate("worker_base")
+    if not hasattr(worker_base, "qmc_sampler_stats"):
+        worker_base.qmc_sampler_stats = _worker_stats
 
 
 def _wrap_once(owner: Any, name: str, original: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -82,8 +96,8 @@ def _record_engine_facts() -> None:
     @_wrap_once(owner, "_build_logits_processors_params_validator", original)
     def build(self: Any) -> Any:
         validate = original(self)
-        mrv2 = bool(getattr(self.vllm_config, "use_v2_model_runner", False))
-        facts = _engine_facts(self.vllm_config.speculative_config, self.model_config, "mrv2" if mrv2 else "v1")
+        runner = compat.engine_runner(self.vllm_config)
+        facts = _engine_facts(self.vllm_config.speculative_config, self.model_config, runner)
 
         def validator(params: Any) -> None:
             with engine_facts(facts):
@@ -122,17 +136,23 @@ def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> An
 
     from qmc_sampler.members.keys import ENV_METHOD
 
+    if runner == "mrv2" and _mrv2_without_processors():
+        inactive, remedy = "it runs Model Runner V2, which runs no logits processors before vLLM 0.31", \
+            "unset VLLM_USE_V2_MODEL_RUNNER"  # fmt: skip
+    else:
+        inactive, remedy = compat.runner_problem(runner), EngineFacts.remedy
     facts = EngineFacts(
         speculative=speculative_config is not None,
         logprobs_mode=str(getattr(model_config, "logprobs_mode", "raw_logprobs")),
         runner=runner,
-        processors_run=not (runner == "mrv2" and _mrv2_without_processors()),
+        inactive=inactive,
+        remedy=remedy,
     )
     why = None
     if facts.speculative:
         why = "runs speculative decoding, which does not run logits processors"
-    elif not facts.processors_run:
-        why = "runs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which has no logits processors before vLLM 0.31"
+    elif facts.inactive is not None:
+        why = f"cannot run the plugin ({facts.inactive})"
     if why:  # facts are built once per engine (the validator builder; the cache above)
         drop_in = os.environ.get(ENV_METHOD)
         logger.warning(

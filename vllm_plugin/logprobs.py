@@ -110,11 +110,10 @@ def install() -> None:
 
 
 def _prerequisite_absent(runner: str) -> bool:
-    """True where ``runner`` runs no logits processors on this vLLM at all (MRV2 before 0.31): there is
-    nothing to correct, and :mod:`.hooks` says at engine start what that means for designs."""
-    if runner != "mrv2":
-        return False
-    return not compat.present("mrv2_processor")
+    """True where ``runner`` runs no logits processors on this vLLM at all (MRV2 before 0.31; the V1
+    runner, gone from 0.34): there is nothing to correct, and :mod:`.hooks` says at engine start what
+    that means for designs."""
+    return not compat.present("mrv2_processor" if runner == "mrv2" else "v1_processor")
 
 
 def _captures(processors: Any) -> list[Capture]:

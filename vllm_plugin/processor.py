@@ -2,7 +2,10 @@
 
 One class for both of vLLM's logits-processor interfaces — the V1 runner and Model Runner V2 —
 so users pass one class path (``qmc_sampler.vllm_plugin:QMCLogitsProcessor``) whatever runner
-they get. It is thin: an adapter per runner (:mod:`.adapters`) turns rows or slots into members
+they get. Its bases are the interfaces the running vLLM has (:mod:`qmc_sampler.vllm_engine.compat`):
+nothing release-specific is imported by name, so the module imports on every vLLM, and where an
+interface is not as the plugin needs it the processor steps aside (:attr:`QMCLogitsProcessor.inactive`).
+It is thin: an adapter per runner (:mod:`.adapters`) turns rows or slots into members
 of one :class:`~qmc_sampler.members.registry.MemberRegistry`; for each row whose request has
 a design it draws the member's token from the processed distribution and sets every other logit
 of the row to ``-inf``. Greedy rows and requests without a design are left untouched.
@@ -18,21 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from qmc_sampler.vllm_engine import compat
 from qmc_sampler.vllm_plugin.adapters import MRV2Slots, V1Rows
 from qmc_sampler.vllm_plugin.logprobs import PROCESSED_MODES, Capture, require_for
 from qmc_sampler.vllm_plugin.request_args import install_prompt_marks, resolve
-from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
 from qmc_sampler.kernels import upload
 from qmc_sampler.members import EngineSalt, GroupResolver, Member, MemberRegistry
 
 if TYPE_CHECKING:
     from vllm.v1.sample.logits_processor import BatchUpdate
-
-try:  # Model Runner V2 ships with vLLM >= 0.32; absent elsewhere.
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
-except ImportError:  # pragma: no cover - depends on the installed vLLM
-    V2LogitsProcessor = object  # type: ignore[assignment,misc]
 
 __all__ = ["QMCLogitsProcessor", "plugin_stats"]
 
@@ -42,20 +40,38 @@ logger = logging.getLogger("vllm.qmc_sampler")
 # request: the serving routes then number their prompts (request_args.mark_prompt). Idempotent.
 install_prompt_marks()
 
+#: The running vLLM's logits-processor base classes: V1's (vLLM < 0.34) and MRV2's (>= 0.31). Each
+#: runner's loader accepts only subclasses of its own; a vLLM with neither gets a plain class, which
+#: imports (the entry point never breaks an engine) and serves nothing.
+_BASES = tuple(b for b in (compat.find("v1_processor"), compat.find("mrv2_processor")) if b is not None) or (object,)
+_said: set[str] = set()
 
-class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
-    """Impose each group member's correlated, exact token choice (see module docstring)."""
+
+class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
+    """Impose each group member's correlated, exact token choice (see module docstring).
+
+    Attributes:
+        interface: ``"v1"`` or ``"mrv2"``, the runner interface vLLM built this instance for.
+        inactive: None, or why this vLLM's interface is not as the plugin needs it
+            (:func:`qmc_sampler.vllm_engine.compat.runner_problem`): the processor then admits no
+            request and changes no logits, and admission refuses designs in this engine's front end.
+    """
 
     def __init__(self, vllm_config: Any, *args: Any) -> None:
         # V1: (vllm_config, device, is_pin_memory); MRV2: (vllm_config, req_states).
         self.interface = "mrv2" if len(args) == 1 else "v1"
+        self.inactive = compat.runner_problem(self.interface)
+        if self.inactive is not None and self.interface not in _said:
+            _said.add(self.interface)
+            logger.error("qmc-sampler: the plugin is inactive in this engine (%s); every request is served as "
+                         "without it, and requests that ask for a design are refused", self.inactive)  # fmt: skip
         salt = EngineSalt(
             engine_seed=int(vllm_config.model_config.seed or 0),
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
         )
         self.registry = MemberRegistry(resolver=GroupResolver(salt=salt))
         self.v1 = V1Rows(self.registry)
-        self.mrv2 = MRV2Slots(self.registry, args[0]) if self.interface == "mrv2" else None
+        self.mrv2 = MRV2Slots(self.registry, args[0]) if self.interface == "mrv2" and not self.inactive else None
         mode = str(vllm_config.model_config.logprobs_mode)
         # Without the wrap, imposed rows would report logprob 0 in this mode: admission refuses
         # designed requests, and any that arrive anyway are left to the engine (loudly).
@@ -87,6 +103,8 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
 
     def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         """Impose the members' tokens on their rows (V1: ``apply(logits)``; MRV2: ``apply(logits, ctx)``)."""
+        if self.inactive is not None:
+            return logits
         if ctx is None:
             row_ids, members = self.v1.active()
         else:
@@ -108,6 +126,7 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
         reg, groups = self.registry.counters(), self.registry.resolver.stats
         return {
             "interface": self.interface,
+            "inactive": self.inactive,
             "rows": len(self.v1.rows) + (len(self.mrv2.slots) if self.mrv2 is not None else 0),
             "admitted": reg.admitted,
             "admitted_by_design": dict(reg.admitted_by_design),
@@ -171,19 +190,25 @@ class QMCLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[
     # ---- V1 runner ----------------------------------------------------------
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """V1: track rows (removed → parked, added → admitted or resumed, moved → re-indexed)."""
-        if batch_update is not None:
+        if batch_update is not None and self.inactive is None:
             self.v1.update(batch_update)
 
     # ---- Model Runner V2 ----------------------------------------------------
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
-        """MRV2: a request takes slot ``req_idx`` (slots are reused; no removal hook)."""
-        assert self.mrv2 is not None
+        """MRV2: a request takes slot ``req_idx`` (slots are reused; no removal hook).
+
+        Returns:
+            Whether this processor may change the request's logits — True exactly for a designed request
+            that samples randomly (vLLM >= 0.34 then knows its row may hold ``-inf``: ``may_mask_logits``).
+        """
+        if self.mrv2 is None:
+            return False
         return self.mrv2.add(req_idx, sampling_params)
 
     def apply_staged_writes(self) -> None:
         """MRV2: admit this step's new requests, now that the runner has written their tokens."""
-        assert self.mrv2 is not None
-        self.mrv2.flush()
+        if self.mrv2 is not None:
+            self.mrv2.flush()
 
 
 @dataclass(frozen=True)
@@ -239,8 +264,9 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
     worker extension's ``qmc_sampler_stats``).
 
     Returns:
-        ``{"processors": instances found, "interface": "v1" | "mrv2" | None, and the
-        sums of :meth:`QMCLogitsProcessor.stats`}`` over the worker's processors:
+        ``{"processors": instances found, "interface": "v1" | "mrv2" | None, "inactive": why the
+        plugin steps aside in this worker or None, and the sums of :meth:`QMCLogitsProcessor.stats`}``
+        over the worker's processors:
         ``restored`` members resumed after preemption, ``lost`` members that continued
         with fresh uniforms, ``unsampleable`` rows left to the engine (NaN or nothing
         admissible), ``overflow`` arrivals beyond a group's n, ``auto_*`` the
@@ -259,12 +285,13 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
     sampler = getattr(runner, "sampler", None)
     found += [p for p in getattr(sampler, "logits_processors", []) if isinstance(p, QMCLogitsProcessor)]
     totals: dict[str, Any] = {"processors": len(found), "interface": found[0].interface if found else None}
+    totals["inactive"] = next((p.inactive for p in found if p.inactive is not None), None)
     totals["admitted_by_design"] = {}
     for proc in found:
         for key, value in proc.stats().items():
             if key == "admitted_by_design":  # {design: members}: summed design by design
                 for design, count in value.items():
                     totals[key][design] = totals[key].get(design, 0) + count
-            elif key != "interface":
+            elif key not in ("interface", "inactive"):
                 totals[key] = totals.get(key, 0) + value
     return totals

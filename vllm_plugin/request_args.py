@@ -107,7 +107,10 @@ class EngineFacts:
     #: this engine client's instance salt (drawn when the facts are built: once per engine client)
     salt: int = field(default_factory=lambda: instance_salt())
     runner: str = "v1"  # "v1" or "mrv2": whose sampler wrap processed logprobs need
-    processors_run: bool = True  # False: MRV2 before vLLM 0.31, which runs no logits processors
+    #: why the plugin cannot act in this engine (its runner runs no custom logits processors, or its
+    #: interface is not as the plugin needs it: compat.runner_problem), None where it can
+    inactive: str | None = None
+    remedy: str = "use a vLLM release of qmc-sampler's tested range (docs/serving.md, 'vLLM versions')"
 
 
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
@@ -446,12 +449,11 @@ def _count_lattice_instead(method: str) -> None:
 def _engine_can_serve(facts: EngineFacts, explicit_design: bool) -> bool:
     """False: the drop-in stays off for this engine (logged at its start). Raises for a request
     that asks for a design the engine cannot give it."""
-    if facts.speculative or not facts.processors_run:
+    if facts.speculative or facts.inactive is not None:
         if explicit_design:
             why = ("runs speculative decoding, which does not run logits processors" if facts.speculative else
-                   "runs Model Runner V2, which runs no logits processors before vLLM 0.31")  # fmt: skip
-            fix = ("serve without --speculative-config" if facts.speculative else
-                   "unset VLLM_USE_V2_MODEL_RUNNER")  # fmt: skip
+                   f"cannot run the qmc-sampler plugin ({facts.inactive})")  # fmt: skip
+            fix = "serve without --speculative-config" if facts.speculative else facts.remedy
             raise ValueError(
                 f"vllm_xargs 'qmc_method': this engine {why}, so correlated sampling is unavailable; drop "
                 f"'qmc_method' or {fix}"

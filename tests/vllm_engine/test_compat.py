@@ -4,6 +4,8 @@ the source check reads a release without importing it and catches what changed.
 `make compat VLLM=X` runs this module, with the plugin and server tests, on vLLM X
 (QMC_EXPECT_VLLM=X makes sure the venv really holds that release)."""
 
+import dataclasses
+import importlib
 import os
 import textwrap
 from pathlib import Path
@@ -25,7 +27,9 @@ def test_the_installed_release_passes_its_own_source_check():
     verdicts = compat.check_sources(Path(vllm.__file__).parent.parent)
     problems = {name: v for name, v in verdicts.items() if v.startswith(("MISSING", "SIGNATURE"))}
     assert not problems
-    assert verdicts["v1_sample"] == "ok"  # every release in range: the V1 wrap
+    # Before 0.34 the V1 runner and its sampler's wrap; from 0.34 Model Runner V2 alone.
+    assert verdicts["v1_sample"] == ("ok" if compat.present("v1_processor") else "not needed (no v1_processor)")
+    assert verdicts["interfaces"] != "" and not verdicts["interfaces"].startswith("MISSING")
 
 
 def test_every_touch_point_the_source_check_finds_is_found_at_run_time():
@@ -69,3 +73,89 @@ def test_the_command_line_exits_1_on_a_changed_release_and_2_on_a_bad_path(tmp_p
     assert "SIGNATURE" in capsys.readouterr().out
     assert compat.main([str(tmp_path / "nowhere.whl")]) == 2
     assert compat.main([]) == 2
+
+
+_MRV2_INTERFACE = """
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class LogitsProcRequestState:
+    all_token_ids: object
+    prompt_len: object
+    prefill_len: object
+
+@dataclass(frozen=True)
+class LogitsContext:
+    idx_mapping_np: object
+    {input_ids}
+    seq_lens_upper_bound_np: object
+
+class LogitsProcessor:
+    def __init__(self, vllm_config, req_states): ...
+    def add_request(self, req_idx, sampling_params): return True
+    def apply_staged_writes(self): ...
+    def apply(self, logits, ctx): ...
+"""
+
+_BUFFERS = """
+class UvaBackedTensor:
+    def __init__(self, size):
+        self.cpu = None
+        self.np = None
+
+class StagedWriteTensor:
+    def __init__(self, size):
+        self.gpu = None
+"""
+
+
+def _fake_mrv2_release(root: Path, context_has_input_ids: bool = True) -> Path:
+    files = {
+        "vllm/v1/worker/gpu/sample/logits_processor/__init__.py":
+            "from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcessor, "
+            "LogitsProcRequestState\n",
+        "vllm/v1/worker/gpu/sample/logits_processor/interface.py":
+            _MRV2_INTERFACE.format(input_ids="input_ids: object" if context_has_input_ids else ""),
+        "vllm/v1/worker/gpu/buffer_utils.py": _BUFFERS,
+    }  # fmt: skip
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_release_with_model_runner_v2_alone_serves_mrv2_and_needs_nothing_of_the_v1_runner(tmp_path):
+    verdicts = compat.check_sources(_fake_mrv2_release(tmp_path))
+    assert verdicts["interfaces"] == "mrv2"
+    assert verdicts["v1_processor"] == "absent (optional)"
+    assert verdicts["batch_update"] == verdicts["v1_sample"] == "not needed (no v1_processor)"
+    assert all(verdicts[name] == "ok" for name in compat.INTERFACES["mrv2"])
+
+
+def test_the_source_check_catches_a_field_the_adapter_reads_gone_from_a_class(tmp_path):
+    verdicts = compat.check_sources(_fake_mrv2_release(tmp_path, context_has_input_ids=False))
+    assert verdicts["mrv2_context"].startswith("SIGNATURE") and "input_ids" in verdicts["mrv2_context"]
+    assert verdicts["interfaces"].startswith("MISSING")
+    assert compat.main([str(tmp_path)]) == 1
+
+
+def test_a_release_with_neither_interface_fails_the_source_check(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    verdicts = compat.check_sources(tmp_path)
+    assert verdicts["interfaces"].startswith("MISSING: no logits-processor interface")
+
+
+def test_the_runtime_check_reads_fields_as_the_source_check_does(monkeypatch):
+    if not compat.present("mrv2_processor"):
+        pytest.skip("this vLLM's MRV2 runs no logits processors")
+    assert compat.interface_problem("mrv2") is None
+    package = importlib.import_module("vllm.v1.worker.gpu.sample.logits_processor")
+
+    @dataclasses.dataclass(frozen=True)
+    class LogitsContext:  # the release's, less input_ids
+        idx_mapping_np: object
+        seq_lens_upper_bound_np: object
+
+    monkeypatch.setattr(package, "LogitsContext", LogitsContext)
+    assert "no input_ids" in compat.interface_problem("mrv2")

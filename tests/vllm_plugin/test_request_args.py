@@ -240,7 +240,9 @@ def test_a_design_on_an_engine_whose_runner_runs_no_processors_is_refused_and_th
     from qmc_sampler.vllm_plugin.request_args import EngineFacts, engine_facts
 
     monkeypatch.setenv("QMC_SAMPLER", "lattice")
-    with engine_facts(EngineFacts(runner="mrv2", processors_run=False)):
+    facts = EngineFacts(runner="mrv2", inactive="it runs Model Runner V2, which runs no logits processors before "
+                        "vLLM 0.31", remedy="unset VLLM_USE_V2_MODEL_RUNNER")  # fmt: skip
+    with engine_facts(facts):
         with pytest.raises(ValueError, match=r"qmc_method.*Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER"):
             resolve(SamplingParams(n=4, temperature=1.0, extra_args={"qmc_method": "lattice"}))
         assert resolve(SamplingParams(n=4, temperature=1.0)) is None  # the drop-in: off, not an error
