@@ -37,7 +37,11 @@ def _extensions() -> tuple[list, dict]:
     # No FP traps or errno are relied on; without these GCC keeps the exp loop scalar.
     # -fopenmp: ATen's parallel_for is an OpenMP loop only where the including code is built with
     # OpenMP (otherwise rows run one after another); it links libgomp.so.1, which torch has loaded.
+    import torch
+
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
+    # The loader (qmc_sampler.kernels) uses the kernel only under the torch it was built against.
+    flags.append(f'-DQMC_BUILT_WITH_TORCH="{torch.__version__}"')
     if platform.machine() in ("x86_64", "AMD64"):
         flags += ["-mavx2", "-mfma"]  # the loader checks the CPU has AVX2 before importing it
 

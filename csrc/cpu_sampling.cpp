@@ -788,7 +788,13 @@ std::vector<torch::Tensor> fused_inverse_cdf(const torch::Tensor& logits, const 
   return {tokens, starts, probs};
 }
 
+#ifndef QMC_BUILT_WITH_TORCH
+#define QMC_BUILT_WITH_TORCH "unknown"
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_inverse_cdf", &fused_inverse_cdf,
         "temperature/min-p/top-k/top-p + inverse CDF per row (CPU); returns [tokens, starts, probs]");
+  // torch's C++ ABI changes between releases: the loader uses the kernel only under this torch.
+  m.attr("built_with_torch") = QMC_BUILT_WITH_TORCH;
 }

@@ -200,3 +200,21 @@ def test_the_backend_is_decided_once_per_device_type_not_per_step(monkeypatch):
     assert backend_for(torch.device("cuda")) == first
     monkeypatch.setenv("QMC_SAMPLER_BACKEND", "torch")  # another setting decides afresh
     assert backend_for(torch.device("cuda")) == "torch"
+
+
+@cpp
+def test_the_kernel_is_used_only_under_the_torch_it_was_built_against(monkeypatch):
+    # A kernel built in place by another venv (another torch's C++ ABI) could fail or crash at its
+    # first call: it is refused at load, loudly, and the pure-torch path serves.
+    from qmc_sampler import _C, kernels
+
+    assert _C.built_with_torch == torch.__version__
+    monkeypatch.setattr(_C, "built_with_torch", "2.11.0+cpu")
+    kernels._cpp_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"built against torch 2\.11\.0\+cpu, this is torch"):
+            assert kernels._cpp_kernel() is None
+    finally:
+        monkeypatch.undo()
+        kernels._cpp_kernel.cache_clear()
+    assert kernels._cpp_kernel() is _C
