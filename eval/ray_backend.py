@@ -80,7 +80,7 @@ DEFAULT_REPLICAS = 2
 START_TIMEOUT_S = 1800
 #: Seconds the free resources are read again while they fall short, before the run is refused.
 PLAN_WAIT_S = 5.0
-_INSTALL = "pip install 'qmc-sampler[ray]'"
+_INSTALL = "pip install 'qmc-llm-sampler[ray]'"
 
 
 class RayBackend:

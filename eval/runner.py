@@ -29,6 +29,7 @@ from qmc_sampler.eval.generation import Completion, GroupJob, InProcessBackend
 from qmc_sampler.eval.samples import append_group, read_samples
 from qmc_sampler.eval.tasks import Problem, Task, get_task
 
+from qmc_sampler import __version__
 from qmc_sampler.counter_rng import keyed_seed
 
 __all__ = ["RunConfig", "RunError", "build_engine", "check_resumable", "group_seed", "run", "shutdown_engine"]
@@ -68,10 +69,12 @@ class RunConfig:
     round_size: int | None = None  # members per round of a sequential run (default ROUND_SIZE)
 
     def identity(self) -> dict[str, Any]:
-        """The settings a resumed run must share (not where it writes or how it schedules), as JSON types."""
+        """The settings a resumed run must share (not where it writes or how it schedules) and the
+        qmc-sampler release that draws its groups (``release``), as JSON types."""
         d = asdict(self)
         for key in ("out", "max_members_in_flight"):
             d.pop(key)
+        d["release"] = __version__  # a release may draw other groups from the same seeds: never mixed in one run
         return json.loads(json.dumps(d))
 
 

@@ -21,9 +21,13 @@ from qmc_sampler.inverse_cdf import ORDERS, Draw, inverse_cdf
 from qmc_sampler.processing import SAMPLING_EPS, process_logits
 from qmc_sampler.reference import sample_group, validate_sampling
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+#: The distribution's name on the package registries (the import package is ``qmc_sampler``; the
+#: registry's ``qmc-sampler`` is another project, which installs a top-level ``qmc_sampler`` too).
+DISTRIBUTION = "qmc-llm-sampler"
 
 __all__ = [
+    "DISTRIBUTION",
     "EXTENSIBLE",
     "METHODS",
     "ORDERS",

@@ -42,6 +42,14 @@ def _vllm_cli(name: str) -> Any:
     return compat.locate(touchpoint)
 
 
+def _version() -> str:
+    import vllm
+
+    from qmc_sampler import DISTRIBUTION, __version__
+
+    return f"qmc-serve ({DISTRIBUTION} {__version__}) on vLLM {vllm.__version__}"
+
+
 def _parser() -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -55,6 +63,7 @@ def _parser() -> Any:
         prog="qmc-serve", description="vLLM's OpenAI-compatible server with correlated sampling groups (qmc-sampler)"
     ))  # fmt: skip
     ours = parser.add_argument_group("qmc-sampler")
+    ours.add_argument("--version", action="version", version=_version())
     ours.add_argument("--sampler", choices=METHODS, default="lattice", help="design of requests that name none")
     ours.add_argument("--max-n", type=positive_int, default=128, help="largest n a request may ask for")
     ours.add_argument("--max-members-in-flight", type=positive_int, default=1024,

@@ -34,6 +34,8 @@ from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
 from qmc_sampler.vllm_engine.compat import locate
 from starlette.datastructures import Headers
 
+from qmc_sampler import __version__
+
 GUARDED_PREFIX = locate("guarded_prefix")  # vLLM's key-checked prefixes and its key check, wherever it keeps them
 AuthenticationMiddleware = locate("authentication")
 
@@ -331,13 +333,17 @@ async def _drain(engine: Any, server: _Server, grace: float) -> None:
 
 
 class _Reply:
-    """``send`` for vLLM's response: adds ``sampler``/``sampler_seed`` to a 200's JSON body or each SSE chunk."""
+    """``send`` for vLLM's response: adds ``sampler``/``sampler_seed`` and ``sampler_release`` (the
+    qmc-sampler release that drew the group: the same seed gives the same group with the same release)
+    to a 200's JSON body or each SSE chunk."""
 
     def __init__(self, send: Any, plan: Plan) -> None:
         self._send = send
         self.status = 0
         self.id: str | None = None
-        self._extension = json.dumps({"sampler": plan.design, "sampler_seed": plan.seed})[1:-1].encode() + b","
+        self._extension = json.dumps(
+            {"sampler": plan.design, "sampler_seed": plan.seed, "sampler_release": __version__}
+        )[1:-1].encode() + b","
         self._mode = ""  # "json", "sse", or "" (passed on as it is)
         self._start: dict[str, Any] | None = None
         self._held = b""

@@ -8,6 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import qmc_sampler
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,7 +30,9 @@ def test_the_wheel_holds_every_module_of_the_package(tmp_path, package_folders):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    (wheel,) = tmp_path.glob("qmc_sampler-*.whl")
+    # Our own name on the registries (its qmc-sampler is another project), at the package's version.
+    (wheel,) = tmp_path.glob("qmc_llm_sampler-*.whl")
+    assert wheel.name.startswith(f"qmc_llm_sampler-{qmc_sampler.__version__}-"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {
         f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder).as_posix()}"

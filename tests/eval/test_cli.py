@@ -152,6 +152,9 @@ def empty_model_cache(tmp_path, monkeypatch):
         (["--ray", "--task", "basic_arithmetic", "--task-option", "no_such_option=1"], "--task-option: "),
         (["--ray", "--task", "basic_arithmetic", "--out", "{other}"], "holds a run with other settings (n differ)"),
         (["--task", "basic_arithmetic", "--out", "{other}"], "holds a run with other settings (n differ)"),
+        # Another release may draw other groups from the same seeds: its run is not continued.
+        (["--task", "basic_arithmetic", "--n", "8", "--groups", "1", "--problems", "1", "--out", "{older}"],
+         "holds a run with other settings (release differ)"),
         (["--task", "basic_arithmetic", "--out", "{file}"], "is a file; give a folder"),
         (["--task", "basic_arithmetic", "--out", "{garbled}"], "is not a run's settings file"),
     ],
@@ -166,12 +169,15 @@ def test_bad_run_options_are_refused_before_the_default_model_is_converted(
 
     settings = RunConfig("basic_arithmetic", ("iid", "lattice"), n=8, groups=1, problems=1, out="").identity()
     (other / "run.json").write_text(json.dumps(settings))
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "run.json").write_text(json.dumps(settings | {"n": 8, "release": "0.1.0"}))
     garbled.mkdir()
     (garbled / "run.json").write_text("{not json")
     (tmp_path / "file").write_text("")
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "q", "prompt": "1 + 1 =", "answer": "2"}) + "\n")
-    paths = {"missing": tmp_path / "missing.jsonl", "other": other, "file": tmp_path / "file", "garbled": garbled,
-             "tasks": tmp_path / "tasks.jsonl"}  # fmt: skip
+    paths = {"missing": tmp_path / "missing.jsonl", "other": other, "older": older, "file": tmp_path / "file",
+             "garbled": garbled, "tasks": tmp_path / "tasks.jsonl"}  # fmt: skip
     argv = [a.format(**paths) for a in argv]
     if "--out" not in argv:
         argv += ["--out", str(tmp_path / "out")]

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed")
 pytest.importorskip("reasoning_gym", reason="eval extra not installed")
-pytest.importorskip("ray.data.llm", reason="ray extra not installed: pip install 'qmc-sampler[ray]'")
+pytest.importorskip("ray.data.llm", reason="ray extra not installed: pip install 'qmc-llm-sampler[ray]'")
 
 from qmc_sampler.eval.ray_backend import RayBackend
 from qmc_sampler.eval.runner import RunConfig, run

@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-pytest.importorskip("ray.data", reason="ray extra not installed: pip install 'qmc-sampler[ray]'")
+pytest.importorskip("ray.data", reason="ray extra not installed: pip install 'qmc-llm-sampler[ray]'")
 
 from qmc_sampler.eval.generation import GroupJob, prompt_token_ids
 from qmc_sampler.eval.ray_backend import RayBackend

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import qmc_sampler
+
 pytest.importorskip("vllm", reason="vLLM not installed")
 
 from qmc_sampler.server.main import main
@@ -70,3 +72,14 @@ def test_the_environment_opens_invocations_as_the_flag_does(monkeypatch):
         os.environ.clear()
         os.environ.update(saved)
     assert args.invocations_without_key
+
+
+def test_version_names_the_distribution_its_release_and_the_vllm_under_it(capsys):
+    import vllm
+    from qmc_sampler.server.main import _parser
+
+    with pytest.raises(SystemExit) as done:
+        _parser().parse_args(["--version"])
+    assert done.value.code == 0
+    expected = f"qmc-serve (qmc-llm-sampler {qmc_sampler.__version__}) on vLLM {vllm.__version__}"
+    assert capsys.readouterr().out.strip() == expected

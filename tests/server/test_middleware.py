@@ -7,6 +7,8 @@ import pytest
 from qmc_sampler.server.fields import plan_request
 from qmc_sampler.server.middleware import _Reply
 
+import qmc_sampler
+
 pytest.importorskip("vllm", reason="vLLM not installed")
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
@@ -69,13 +71,15 @@ def test_members_that_end_before_their_first_token_get_an_abort_chunk_before_don
               completion_chunk(0, "", "length"), completion_chunk(1, "d", "abort"),
               completion_chunk(3, "", "abort")]  # fmt: skip
     events = relay({"prompt": ["x", "y"], "n": 3, "stream": True, "sampler_seed": 2, "logprobs": 0}, chunks)
-    assert events[: len(chunks)] == [{"sampler": "lattice", "sampler_seed": 2} | c.model_dump(exclude_unset=True)
-                                     for c in chunks]  # fmt: skip
+    # Every chunk names its group: design, seed and the release that drew it (same seed + release, same group).
+    ours = {"sampler": "lattice", "sampler_seed": 2, "sampler_release": qmc_sampler.__version__}
+    assert events[: len(chunks)] == [ours | c.model_dump(exclude_unset=True) for c in chunks]
     added = events[len(chunks) :]
     assert [e["choices"][0]["index"] for e in added] == [2, 4, 5]
     for event in added:
         CompletionStreamResponse.model_validate(event)  # vLLM's own shape
         assert event["sampler"] == "lattice" and event["sampler_seed"] == 2
+        assert event["sampler_release"] == qmc_sampler.__version__
         assert (event["id"], event["created"], event["model"], event["object"]) == ("cmpl-7", 5, "tiny",
                                                                                    "text_completion")  # fmt: skip
         no_tokens = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}  # as vLLM's aborts
