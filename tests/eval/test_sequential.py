@@ -36,7 +36,7 @@ from qmc_sampler import GroupSpec, sample_group
 
 DESIGNS = sequential_designs()  # iid, lattice, sobol, antithetic
 PROMPTS = 1500
-MUST_PASS = 2 * len(DESIGNS) + 2  # unbiased mode × 2 models, first mode i.i.d. × 2 models
+MUST_PASS = 3 * len(DESIGNS) + 2  # unbiased mode × (toy, constructed × 2 round sizes), first mode i.i.d. × 2
 MUST_REJECT = 2  # the lattice's first correct member and all its members' correct ones, constructed case
 ALPHA = 1e-3 / (MUST_PASS + MUST_REJECT)
 STEP1_PROBS = np.array([0.05, 0.45, 0.45, 0.05])  # codes [0,.05) [.05,.5) [.5,.95) [.95,1) in id order
@@ -112,11 +112,16 @@ def returned_tokens(results, which="returned"):
             for r in results]  # fmt: skip
 
 
-@pytest.mark.parametrize("case_name", ["toy", "constructed"])
+@pytest.mark.parametrize(("case_name", "cap", "r"), [("toy", 4, 2), ("constructed", 2, 1), ("constructed", 4, 2)])
 @pytest.mark.parametrize("design", DESIGNS)
-def test_the_unbiased_mode_returns_draws_from_p_given_correct(toy_model, design, case_name):
+def test_the_unbiased_mode_returns_draws_from_p_given_correct(toy_model, design, case_name, cap, r):
+    """A round of one member is one uniform code, i.i.d. under every design: on the constructed case
+    rounds of 1 catch one extensible group whose every correct member is kept (share of token 0
+    0.055, not 0.1), but not a selection within a round. Rounds of 2 (issue 48) make each round a
+    2-lattice, the design whose first correct member is biased there: keeping only the first correct
+    member of each round fails them (0.058), passes rounds of 1. (One extensible group is 0.093 at
+    rounds of 2: too close to 0.1 for 1500 prompts.)"""
     case = toy_case(toy_model) if case_name == "toy" else constructed_case()
-    cap, r = (4, 2) if case_name == "toy" else (2, 1)
     results = run(case, design, "unbiased", cap, r)
     p, tv = wald_pvalue(returned_tokens(results), case[1], case[2])
     assert p > ALPHA, f"{design}: unbiased mode's returned samples differ from p(.|correct): p={p:.2e}, TV={tv:.3f}"
