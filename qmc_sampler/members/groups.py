@@ -16,6 +16,12 @@ member's group seed or the member itself is new: explicit groups without ``qmc_i
 by the front end's instance salt, the engine's rank and the count of forgotten counters (an
 *epoch*); a re-admitted request, or a child whose counter was forgotten, draws as an *orphan* (a
 seed of its own, fresh uniforms). Each such event is counted in :class:`GroupStats` and logged.
+
+The children of one ``n > 1`` request need no counter where the front end marked each with its
+place in the request (``GroupArgs.child``): vLLM's data-parallel balancer may send them to
+different engines, and each is still member (index +) child of the one group, on any engine.
+Unmarked children are numbered by arrival in their engine, under a seed salted by the engine's
+rank (every rank but 0), so a request split over engines never draws a member twice.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 
 from qmc_sampler.counter_rng import Purpose, counter_seed, seed_to_u64, stable_seed
 from qmc_sampler.group import EXTENSIBLE, GroupSpec
-from qmc_sampler.members.placement import AUTO, EXPLICIT, GroupArgs, Placement
+from qmc_sampler.members.placement import AUTO, EXPLICIT, PER_REQUEST, GroupArgs, Placement
 
 __all__ = ["EngineSalt", "GroupResolver", "GroupStats"]
 
@@ -72,6 +78,7 @@ class GroupStats:
     children_forgotten: int = 0  # counters of n > 1 children dropped before every child arrived
     orphans: int = 0  # members placed with a seed of their own: re-admitted, or their counter forgotten
     children_lost: int = 0  # forgotten children counters no longer remembered as forgotten (see _next_child)
+    children_unmarked: int = 0  # children of an indexed request numbered on a rank > 0 without their place (salted)
 
 
 @dataclass
@@ -124,22 +131,29 @@ class GroupResolver:
         self._clock = max(self._clock, request.arrival)
         if request.kind == AUTO:
             return self._place_auto(request, key)
-        numbered = request.index is None or request.children > 1  # an index from a counter here
+        # A child the front end marked with its place in its request is its request's member
+        # (index +) child wherever it runs: no counter, no salt by engine, so a request whose
+        # children vLLM's data-parallel balancer spreads over engines stays one whole group.
+        marked = request.child is not None and (request.kind == PER_REQUEST or request.index is not None)
+        numbered = not marked and (request.index is None or request.children > 1)  # an index from a counter here
         if numbered and (again or self._forgotten_child(request)):
             return self._orphan(request, "it was admitted again" if again else "its children's counter was forgotten")
         seed = request.seed
         if seed is None and request.fresh_seed is not None:
-            seed = self._salted(request.fresh_seed)
+            seed = request.fresh_seed if marked else self._salted(request.fresh_seed)
         elif seed is None:
             seed = self._derived_seed(request.group)
-        elif request.kind != EXPLICIT:
+        elif request.kind != EXPLICIT and not marked:
             seed = self._salted(seed)
         if request.index is None and request.kind == EXPLICIT:
             member, seed = self._next_arrival(request.group, seed, request.salt)
+        elif marked:  # children of one n > 1 request, each with its place in it: index + child
+            member = (request.index or 0) + int(request.child)  # type: ignore[arg-type]
         elif request.index is None:  # the children of one n > 1 request: 0 … n − 1
             member = self._next_child(request.group, request.n)
         elif request.children > 1:  # children of one n > 1 request: index, index + 1, …
             member = request.index + self._next_child(f"{request.group}#{request.tag}", request.children)
+            seed = self._unmarked_children_seed(request, seed)
         else:
             member = request.index
         spec = GroupSpec(request.method, request.n, seed, request.order)
@@ -295,6 +309,23 @@ class GroupResolver:
                     old, count, n, self.max_open_groups, self.stats.children_forgotten,
                 )  # fmt: skip
         return member
+
+    def _unmarked_children_seed(self, request: GroupArgs, seed: int) -> int:
+        """The group seed of children numbered here of an explicit request with ``qmc_index``, which
+        the front end did not mark with their place in their request (a vLLM whose fan-out it cannot
+        see). Another engine may number the same request's other children from the same index, so
+        every engine but rank 0 salts the seed by its rank: distinct members, one group per engine
+        instead of one whole group (counted and logged), never a member drawn twice."""
+        if self.salt.dp_rank == 0:
+            return seed
+        self.stats.children_unmarked += 1
+        _log_counted(
+            "qmc-sampler: the children of a request of group %s reach data-parallel rank %d without their place "
+            "in their request (the front end could not mark them); numbered here under a seed salted by this "
+            "engine's rank: distinct members, not members of the group named. Such children so far: %d",
+            request.group, self.salt.dp_rank, self.stats.children_unmarked,
+        )  # fmt: skip
+        return stable_seed("unmarked-children", seed, self.salt.dp_rank)
 
     def _forgotten_child(self, request: GroupArgs) -> bool:
         if request.kind == EXPLICIT and request.index is None:

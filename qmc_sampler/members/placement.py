@@ -43,6 +43,10 @@ class GroupArgs:
         tag: names the request, so its children can be numbered (explicit groups with an index).
         salt: the front end's instance salt: tells apart replicas, and an engine before and
             after a restart, where a group is numbered or seeded where it is drawn.
+        child: this child's place in its ``n > 1`` request (0 … ``children`` − 1), written by the
+            front end as the request is fanned out into children, so that the engine that draws
+            it needs no counter (vLLM may send one request's children to different engines);
+            None for a request that is not a child, or where the front end could not mark it.
     """
 
     kind: str
@@ -59,6 +63,7 @@ class GroupArgs:
     children: int = 1
     tag: str = ""
     salt: int = 0
+    child: int | None = None
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,13 @@ events are an auto group closed (TTL or eviction: a seeded repeat starts the sam
 vLLM's seeded requests repeat) and a forgotten children counter forgotten again (``children_lost``).
 
 Explicit members (``qmc_index`` given, ``children`` = 1) are the caller's to keep apart and are not
-drawn here; explicit members with ``n > 1`` children are (their children are numbered in the engine).
+drawn here; explicit members with ``n > 1`` children are. The children of one ``n > 1`` request reach
+any engine of their replica, one by one (vLLM's data-parallel balancer routes each child on its own),
+in any order; each carries its place in the request where the front end marked it (``child``), and
+none where it could not (a vLLM whose fan-out it cannot see), so both ways are drawn.
 """
 
+import dataclasses
 import itertools
 
 import hypothesis.strategies as st
@@ -52,7 +56,8 @@ class GroupingMachine(RuleBasedStateMachine):
         self.retired: list[GroupResolver] = []  # resolvers of restarted replicas (their counts stay)
         self.records: list[tuple[int, tuple, str, tuple | None, int]] = []  # (request, identity, kind, key, step)
         self.live: list[tuple] = []  # (request id, engine, request, placement, prompt)
-        self.pending: list[tuple[tuple, GroupArgs, int]] = []  # children not arrived yet: engine, request, left
+        # children not arrived yet: (replica, request, their places in it, marked by the front end)
+        self.pending: list[tuple[str, GroupArgs, list[int], bool]] = []
         self.closed: list[tuple[tuple, tuple, int]] = []  # (engine, auto key, step)
         self.next_index = 0  # explicit groups with children: the next free range of indices
         self.step = 0
@@ -94,10 +99,19 @@ class GroupingMachine(RuleBasedStateMachine):
                              tag=f"t{next(self.counter)}", salt=self.salts[engine[0]])  # fmt: skip
         self._place(engine, request, next(self.counter))
 
-    @rule(engine=st.sampled_from(ENGINES), n=st.integers(2, 4), explicit=st.booleans())
-    def request_with_children(self, engine, n, explicit):
+    @rule(replica=st.sampled_from(["A", "B"]), n=st.integers(2, 4), explicit=st.booleans())
+    def request_with_marked_children(self, replica, n, explicit):
+        # The front end marks each child with its place in its request as vLLM fans the request out.
+        self.request_with_children(replica, n, explicit, marked=True)
+
+    @rule(replica=st.sampled_from(["A", "B"]), n=st.integers(2, 4), explicit=st.booleans())
+    def request_with_unmarked_children(self, replica, n, explicit):
+        # A front end that cannot see vLLM's fan-out: the engines number the children they get.
+        self.request_with_children(replica, n, explicit, marked=False)
+
+    def request_with_children(self, replica, n, explicit, marked):
         # n > 1: a request group (fresh seed from the front end), or qmc_index + n children of group "h"
-        salt = self.salts[engine[0]]
+        salt = self.salts[replica]
         if explicit:
             request = GroupArgs(EXPLICIT, "lattice", "id", 7, 4096, "user:h:lattice:7", self.next_index,
                                  children=n, tag=f"t{next(self.counter)}", salt=salt)  # fmt: skip
@@ -106,15 +120,19 @@ class GroupingMachine(RuleBasedStateMachine):
             fresh = counter_seed(salt, Purpose.FRONT_END_SEED, 1, next(self.counter))
             request = GroupArgs(PER_REQUEST, "lattice", "id", None, n, f"req:{next(self.counter)}", fresh_seed=fresh,
                                  salt=salt)  # fmt: skip
-        self.pending.append((engine, request, n))
+        self.pending.append((replica, request, list(range(n)), marked))
 
     @precondition(lambda self: self.pending)
-    @rule(which=st.integers(0, 7))
-    def child_arrives(self, which):
-        engine, request, left = self.pending.pop(which % len(self.pending))
-        self._place(engine, request, next(self.counter))
-        if left > 1:
-            self.pending.append((engine, request, left - 1))
+    @rule(which=st.integers(0, 7), child=st.integers(0, 3), rank=st.integers(0, 1))
+    def child_arrives(self, which, child, rank):
+        # Any child, on any engine of its replica: vLLM's balancer picks one per child (A has two).
+        replica, request, left, marked = self.pending.pop(which % len(self.pending))
+        engines = [e for e in ENGINES if e[0] == replica]
+        place = left.pop(child % len(left))
+        self._place(engines[rank % len(engines)], dataclasses.replace(request, child=place) if marked else request,
+                    next(self.counter))  # fmt: skip
+        if left:
+            self.pending.append((replica, request, left, marked))
 
     @rule(engine=st.sampled_from(ENGINES), prompt=st.integers(0, 2), seeded=st.booleans())
     def auto_repeat(self, engine, prompt, seeded):
@@ -157,7 +175,7 @@ class GroupingMachine(RuleBasedStateMachine):
                 self.retired.append(self.resolvers[engine])
                 self.resolvers[engine] = self._resolver(engine)
         self.live = [x for x in self.live if x[1][0] != replica]
-        self.pending = [x for x in self.pending if x[0][0] != replica]
+        self.pending = [x for x in self.pending if x[0] != replica]
 
     # ---- the invariant -------------------------------------------------------
     @invariant()
