@@ -7,7 +7,8 @@ vLLM's front-end before the ``n > 1`` fan-out and writes the group key, kind (ex
 auto: :mod:`qmc_sampler.members.placement`), seed and size into ``extra_args`` as
 :class:`~qmc_sampler.members.placement.GroupArgs` (docs/internals.md, "Admission"), which
 :func:`read_request` reads back in the worker; :func:`prompt_seed` seeds prompt i of a
-multi-prompt completion request.
+multi-prompt completion request; :func:`mark_child` gives each child of an ``n > 1`` request its
+place in the request as vLLM fans it out, so that no engine numbers another's children.
 
 A little over our ~400 lines: admission is one path (the front end's resolve, the engine facts
 it needs and the worker's read-back), kept together.
@@ -19,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import copy
 import functools
 import hashlib
 import hmac
@@ -56,6 +58,7 @@ __all__ = [
     "EngineFacts",
     "admitting",
     "engine_facts",
+    "install_child_marks",
     "install_prompt_marks",
     "instance_salt",
     "prompt_index",
@@ -116,6 +119,7 @@ class EngineFacts:
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("qmc_request_id", default=None)
 _PROMPT = "_qmc_prompt"  # the prompt's place in its route request, written by the route's wrap (kept across reuse)
+_CHILD = "_qmc_child"  # a child's place in its n > 1 request, written as vLLM's front end fans the request out
 
 # Per route call (its asyncio task): how many prompts it has submitted so far.
 _ROUTE_PROMPTS: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
@@ -227,14 +231,77 @@ def mark_prompt(params: Any) -> None:
         _store(params, extra, own | {_PROMPT: index})
 
 
+def mark_child(params: Any, index: int) -> Any:
+    """The parameters of child ``index`` of an ``n > 1`` request: a copy of ``params`` (a child's, as
+    vLLM's ``ParentRequest`` made it) whose ``extra_args`` also carry the child's place, sealed as this
+    process's own; ``params`` itself where the request has no placement of this process's admission.
+
+    The worker then places the child as member (``qmc_index`` +) ``index`` of its group whatever
+    engine runs it (vLLM's data-parallel balancer routes each child on its own): no engine numbers
+    another's children.
+    """
+    extra = getattr(params, "extra_args", None)
+    if not extra or _PRIVATE not in extra:
+        return params
+    extra = dict(extra)
+    own = _take_own(extra)
+    if _PRIVATE not in own:  # not this process's placement: left as it is
+        return params
+    own.pop(_SEAL, None)
+    child = copy.copy(params)  # vLLM shares one children's params object (and its extra_args) when unseeded
+    _store(child, extra, own | {_CHILD: int(index)})
+    return child
+
+
+def install_child_marks() -> bool:
+    """Wrap vLLM's ``ParentRequest.get_child_info`` (the front end's fan-out of an ``n > 1`` request,
+    one call per child, in ``AsyncLLM`` and ``LLMEngine`` alike) with :func:`mark_child` (idempotent;
+    checked against the signature it expects).
+
+    Returns:
+        True if the wrap is in place; False (logged) where this vLLM has no such method: children are
+        then numbered in the engine that runs them (docs/serving.md, "Who is which member").
+    """
+    try:
+        from vllm.v1.engine.parallel_sampling import ParentRequest
+
+        original = ParentRequest.get_child_info
+        names = list(inspect.signature(original).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        names, original, error = [], None, e
+    else:
+        error = None
+    if original is not None and getattr(original, "_qmc_wrapped", False):
+        return True
+    if original is None or names != ["self", "index"]:
+        logger.warning(
+            "qmc-sampler: cannot see vLLM's fan-out of n > 1 requests (%s); their children are numbered in the "
+            "engine that runs them, and under data parallelism a request whose children reach several engines "
+            "is drawn as one group per engine (distinct members)",
+            error or f"ParentRequest.get_child_info{names}",
+        )
+        return False
+
+    @functools.wraps(original)
+    def get_child_info(self: Any, index: int) -> Any:
+        request_id, params = original(self, index)
+        return request_id, mark_child(params, index)
+
+    get_child_info._qmc_wrapped = True  # type: ignore[attr-defined]
+    ParentRequest.get_child_info = get_child_info
+    return True
+
+
 def install_prompt_marks() -> bool:
     """Wrap vLLM's ``BaseServing._log_inputs`` (every serving route's per-prompt call) with
-    :func:`mark_prompt` (idempotent; checked against the signature it expects).
+    :func:`mark_prompt` (idempotent; checked against the signature it expects), and install the
+    children's marks (:func:`install_child_marks`): both of the front end's marks, wherever it is set up.
 
     Returns:
         True if the wrap is in place; False (logged) where this vLLM has no such method: the
         prompts of one multi-prompt request then share their request's seed.
     """
+    install_child_marks()
     try:
         from vllm.entrypoints.serve.engine.serving import BaseServing
 
@@ -477,4 +544,5 @@ def read_request(extra_args: dict[str, Any] | None) -> GroupArgs | None:
     """The placement ``resolve`` recorded, read back in the worker (None: no design)."""
     if not extra_args or _PRIVATE not in extra_args:
         return None
-    return GroupArgs(*extra_args[_PRIVATE])
+    child = extra_args.get(_CHILD)  # a child's place in its request (mark_child), where it was marked
+    return GroupArgs(*extra_args[_PRIVATE], child=child if is_int(child) and child >= 0 else None)
