@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -122,10 +123,10 @@ def _record_engine_facts_at_verify() -> None:
         # One engine's facts (its instance salt among them) for all its requests: built at its first
         # request, as vLLM >= 0.31 builds them once when the engine's input processor starts.
         held, facts = _facts_by_engine.get(id(model_config), (None, None))
-        if held is not model_config:  # the config is held with its facts, so its id is never reused
+        if held is None or held() is not model_config:  # (an id is reused only after its config is gone)
             runner = "mrv2" if _mrv2_without_processors() else "v1"
             facts = _engine_facts(speculative_config, model_config, runner)
-            _facts_by_engine[id(model_config)] = (model_config, facts)
+            _remember_facts(model_config, facts)
         with engine_facts(facts):
             return original(self, model_config, speculative_config, *args, **kwargs)
 
@@ -164,8 +165,25 @@ def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> An
     return facts
 
 
-#: vLLM < 0.31: each engine's (model config, facts), one per engine client built in this process.
-_facts_by_engine: dict[int, tuple[Any, Any]] = {}
+#: vLLM < 0.31: each engine's facts by its model config's id, with a weak reference to the config (one
+#: entry per engine client alive in this process: an RL loop that builds ``LLM`` again and again leaves none).
+_facts_by_engine: dict[int, tuple[Callable[[], Any], Any]] = {}
+
+
+def _remember_facts(model_config: Any, facts: Any) -> None:
+    """File ``facts`` under ``model_config``'s id until the config is collected (then the entry goes)."""
+    key = id(model_config)
+
+    def forget(ref: Any) -> None:
+        entry = _facts_by_engine.get(key)
+        if entry is not None and entry[0] is ref:  # not a later engine's entry under a reused id
+            del _facts_by_engine[key]
+
+    try:
+        held: Callable[[], Any] = weakref.ref(model_config, forget)
+    except TypeError:  # a config that takes no weak reference: held as before (one per engine client)
+        held = functools.partial(lambda config: config, model_config)
+    _facts_by_engine[key] = (held, facts)
 
 
 # ---- Model Runner V2 before vLLM 0.31 --------------------------------------------------------------
