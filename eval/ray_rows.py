@@ -171,7 +171,7 @@ class GroupResults:
         if not row["admitted"]:
             raise RayBackendError(
                 f"a Ray replica does not run the qmc-sampler plugin (member {member} of {job.group_id} was "
-                f"admitted without it): install qmc-sampler where the replicas run"
+                f"admitted without it): install qmc-llm-sampler where the replicas run"
             )
         got = self.open.setdefault(j, {}) if not self.finished[j] else None
         if got is None or member in got:

@@ -116,8 +116,10 @@ def check_resumable(config: RunConfig, ignore: tuple[str, ...] = ()) -> None:
         raise RunError(f"{settings} is not a run's settings file (not a JSON object); use another --out")
     changed = sorted({k for k in identity if previous.get(k) != identity[k]} | (set(previous) - set(config.identity())))
     if changed:
+        why = (f" (made by qmc-sampler {previous.get('release', 'before 0.2.0')}, this is {__version__}: "
+               f"another release may draw other groups; delete {out} to start again)" if "release" in changed else "")
         raise RunError(
-            f"{out} holds a run with other settings ({', '.join(changed)} differ); "
+            f"{out} holds a run with other settings ({', '.join(changed)} differ){why}; "
             "use another --out or the same settings to resume"
         )
 

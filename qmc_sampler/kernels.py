@@ -56,7 +56,7 @@ def _cpp_kernel():  # -> module | None, with the reason logged/warned once
         built_with = getattr(_C, "built_with_torch", "unknown")
         if built_with != torch.__version__:  # another torch's C++ ABI: its first call could fail or crash
             raise ImportError(f"it was built against torch {built_with}, this is torch {torch.__version__}; "
-                              "reinstall qmc-sampler to rebuild it")  # fmt: skip
+                              "reinstall qmc-llm-sampler to rebuild it (pip install --no-build-isolation)")  # fmt: skip
     except ImportError as e:
         warnings.warn(f"qmc-sampler: fused CPU kernel unavailable ({e}); using the pure-torch path", stacklevel=3)
         return None

@@ -42,12 +42,16 @@ def _vllm_cli(name: str) -> Any:
     return compat.locate(touchpoint)
 
 
-def _version() -> str:
+def _vllm_version() -> str:
     import vllm
 
+    return str(vllm.__version__)
+
+
+def _version() -> str:
     from qmc_sampler import DISTRIBUTION, __version__
 
-    return f"qmc-serve ({DISTRIBUTION} {__version__}) on vLLM {vllm.__version__}"
+    return f"qmc-serve ({DISTRIBUTION} {__version__}) on vLLM {_vllm_version()}"
 
 
 def _parser() -> Any:
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except Exception as e:  # ValueError, OSError, a malformed YAML file: one line, not a traceback
         parser.error(str(e) or type(e).__name__)
+    try:
+        compat.locate("async_unfinished")
+    except compat.TouchpointError as e:  # vLLM 0.24-0.28: refused at start, not a 500 on /stats and at shutdown
+        parser.error(f"qmc-serve cannot run on vLLM {_vllm_version()}: {e}")
     _check_options(args, parser)
     _apply_defaults(args, parser)
     try:  # vLLM >= 0.31; older releases configure logging themselves

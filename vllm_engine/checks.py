@@ -20,7 +20,7 @@ __all__ = ["PROBE_METHOD", "engine_stats_async", "require_plugin", "require_plug
 
 PROBE_METHOD = "-qmc-sampler-probe-"
 _HOW = (
-    "install qmc-sampler in the engine's environment (its entry points load the processor), or pass "
+    "install qmc-llm-sampler in the engine's environment (its entry points load the processor), or pass "
     "logits_processors=['qmc_sampler.vllm_plugin:QMCLogitsProcessor']"
 )
 
@@ -32,8 +32,10 @@ def _probe_params() -> Any:
 
 
 def _front_end_refused(error: Exception | None) -> None:
-    if error is None or PROBE_METHOD not in str(error):
+    if error is None:
         raise RuntimeError(f"this vLLM engine does not run the qmc-sampler logits processor: {_HOW}")
+    if PROBE_METHOD not in str(error):  # refused for another reason: the plugin is there but cannot act
+        raise RuntimeError(f"this vLLM engine refuses designs: {error}")
 
 
 def _check_workers(stats: list[dict[str, Any]]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ __all__ = [
     "check_sources",
     "engine_runner",
     "find",
+    "find_all",
     "interface_problem",
     "locate",
     "locate_with_owner",
@@ -87,8 +88,11 @@ _MRV2_LP = "vllm.v1.worker.gpu.sample.logits_processor"
 TOUCHPOINTS: dict[str, Touchpoint] = {
     t.name: t
     for t in (
-        # The V1 runner: gone in vLLM 0.34, so optional; what it needs is needed only where it exists.
-        Touchpoint("v1_processor", ("vllm.v1.sample.logits_processor:LogitsProcessor",), None, _V1, optional=True),
+        # The V1 runner: gone in vLLM 0.34 (its sampler with it), so optional; where it runs, its interface is
+        # required.
+        Touchpoint("v1_runner", ("vllm.v1.sample.sampler:Sampler",), None, "the V1 runner", optional=True),
+        Touchpoint("v1_processor", ("vllm.v1.sample.logits_processor:LogitsProcessor",), None, _V1,
+                   only_with="v1_runner"),
         Touchpoint("batch_update", ("vllm.v1.sample.logits_processor:BatchUpdate",), None, _V1,
                    only_with="v1_processor"),
         Touchpoint("move_directionality", ("vllm.v1.sample.logits_processor.interface:MoveDirectionality",), None,
@@ -98,7 +102,7 @@ TOUCHPOINTS: dict[str, Touchpoint] = {
         Touchpoint("apply_top_k_top_p", ("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",), None,
                    "correct processed logprobs of designed rows under the V1 runner", only_with="v1_processor"),
         # Model Runner V2: absent before 0.31 (no MRV2 logits processors); everything its adapter reads.
-        Touchpoint("mrv2_processor", (f"{_MRV2_LP}:LogitsProcessor",), None,
+        Touchpoint("mrv2_processor", (f"{_MRV2_LP}:LogitsProcessor", f"{_MRV2_LP}.loader:LogitsProcessor"), None,
                    "the plugin under Model Runner V2 (vLLM < 0.31 has no MRV2 logits processors: vLLM then "
                    "runs the V1 runner wherever a logits-processor entry point is installed)", optional=True),
         Touchpoint("mrv2_init", (f"{_MRV2_LP}:LogitsProcessor.__init__",), ("self", "vllm_config", "req_states"),
@@ -120,6 +124,9 @@ TOUCHPOINTS: dict[str, Touchpoint] = {
                    _MRV2 + ": a request's tokens read at admission", only_with="mrv2_processor", fields=("gpu",)),
         Touchpoint("mrv2_sample", ("vllm.v1.worker.gpu.sample.sampler:Sampler.sample",), _V2_SAMPLE,
                    "correct processed logprobs of designed rows under Model Runner V2", only_with="mrv2_processor"),
+        Touchpoint("mrv2_sampler", ("vllm.v1.worker.gpu.sample.sampler:Sampler",), None,
+                   "correct processed logprobs of designed rows under Model Runner V2", only_with="mrv2_processor",
+                   fields=("logits_processors", "logprobs_mode")),
         Touchpoint("standalone_cpu_runner", ("vllm.platforms.interface:Platform.uses_standalone_cpu_model_runner",),
                    None, "seeing that a CPU engine runs vLLM's standalone runner, which runs no custom logits "
                    "processors (vLLM >= 0.34 on non-x86 CPUs without Triton)", optional=True),
@@ -149,6 +156,9 @@ TOUCHPOINTS: dict[str, Touchpoint] = {
         Touchpoint("cli_env_setup", ("vllm.entrypoints.common.startup:cli_env_setup",
                                      "vllm.entrypoints.serve.utils.api_utils:cli_env_setup"),
                    (), "qmc-serve's start"),
+        Touchpoint("async_unfinished", ("vllm.v1.engine.async_llm:AsyncLLM.get_num_unfinished_requests",), ("self",),
+                   "qmc-serve (its /stats and graceful shutdown; vLLM >= 0.29): the plugin itself runs under "
+                   "vllm serve", optional=True),
         Touchpoint("serve_subcommand", ("vllm.entrypoints.cli.serve:ServeSubcommand.cmd",), ("args",),
                    "qmc-serve's start"),
         Touchpoint("configure_logging", ("vllm.logger:configure_logging_from_args",), ("args",),
@@ -202,6 +212,23 @@ def find(name: str) -> Any | None:
         return None
 
 
+def find_all(name: str) -> list[Any]:
+    """Every distinct object at touch point ``name``'s places that exist (a class vLLM re-exports under
+    several names counts once; one moved while a module kept the old name gives two)."""
+    found: list[Any] = []
+    for place in TOUCHPOINTS[name].places:
+        module_name, qualname = place.split(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for attr in qualname.split("."):
+                obj = getattr(obj, attr)
+        except (ImportError, AttributeError):
+            continue
+        if not any(obj is seen for seen in found):
+            found.append(obj)
+    return found
+
+
 #: Each logits-processor interface of vLLM's runners and every touch point the plugin's adapter for it
 #: reads; the plugin serves an interface only where all of them are as the table expects.
 INTERFACES: dict[str, tuple[str, ...]] = {
@@ -253,7 +280,8 @@ def runner_problem(runner: str) -> str | None:
     except Exception as e:  # a platform that cannot say: the plugin must not guess that it runs
         return f"vLLM's platform cannot say which CPU runner it uses ({type(e).__name__}: {e})"
     if standalone:
-        return "this CPU runs vLLM's standalone Model Runner V2 (no Triton), which runs no custom logits processors"
+        return ("this CPU runs vLLM's standalone Model Runner V2 (no Triton), which runs no custom logits processors; "
+                "x86 CPUs and GPUs run the plugin")
     return None
 
 
@@ -275,22 +303,27 @@ def locate_with_owner(name: str) -> tuple[Any, Any]:
             found = _runtime_params(obj)
             if found != point.params:
                 raise TouchpointError(f"{place} has parameters {found}, not {point.params}: {point.feature} is off")
-        if point.fields is not None:
-            lacking = [f for f in point.fields if f not in _runtime_fields(obj)]
+        known = _runtime_fields(obj) if point.fields is not None else None
+        if point.fields is not None and known is not None:
+            lacking = [f for f in point.fields if f not in known]
             if lacking:
                 raise TouchpointError(f"{place} has no {', '.join(lacking)}: {point.feature} is off")
         return owner, obj
     raise TouchpointError(f"{' / '.join(missing)} not found: {point.feature} is off")
 
 
-def _runtime_params(obj: Any) -> tuple[str, ...]:
+def _runtime_params(obj: Any) -> tuple[str, ...] | None:
     # inspect.signature follows __wrapped__: a function we wrapped earlier shows vLLM's own.
-    return tuple(inspect.signature(obj).parameters)
+    try:
+        return tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):  # not introspectable: reported as another signature
+        return None
 
 
-def _runtime_fields(cls: Any) -> set[str]:
+def _runtime_fields(cls: Any) -> set[str] | None:
     """The attributes instances of ``cls`` have, read as :func:`check_sources` reads them (plus what the
-    class and its bases define), so that both checks agree."""
+    class and its bases define); None where a class's source cannot be read (a deployment of compiled
+    files only): its instance attributes are then unknown, and not held against it."""
     names: set[str] = set()
     for klass in getattr(cls, "__mro__", (cls,)):
         if klass is object:
@@ -299,7 +332,7 @@ def _runtime_fields(cls: Any) -> set[str]:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError, SyntaxError):
-            continue
+            return None
         names |= _class_fields(tree.body[0]) if tree.body and isinstance(tree.body[0], ast.ClassDef) else set()
     return names
 
@@ -360,6 +393,7 @@ def check_sources(root: str | Path) -> dict[str, str]:
         if verdict is None:
             verdict = "absent (optional)" if point.optional else f"MISSING {' / '.join(point.places)}"
         verdicts[point.name] = verdict
+    verdicts["loaders"] = _loaders_verdict(root, read, verdicts)
     served = [runner for runner, names in INTERFACES.items() if all(verdicts[n] == "ok" for n in names)]
     verdicts["interfaces"] = (
         ", ".join(served)
@@ -370,6 +404,56 @@ def check_sources(root: str | Path) -> dict[str, str]:
 
 
 Reader = Callable[[str], str | None]
+
+#: The entry-point group vLLM's loaders read: each checks a loaded class against its runner's base class.
+_GROUP = "vllm.logits_processors"
+
+
+def _loaders_verdict(root: str | Path, read: Reader, verdicts: dict[str, str]) -> str:
+    """Each module of the release that loads :data:`_GROUP` checks classes against the ``LogitsProcessor``
+    it imports: that class must be one the plugin subclasses (a base moved while its loader stayed would
+    make every engine refuse the plugin's class at start)."""
+    ours = set()
+    for name in ("v1_processor", "mrv2_processor"):
+        if verdicts.get(name) == "ok":
+            ours |= {_defining(read, *place.split(":")) for place in TOUCHPOINTS[name].places}
+    ours.discard(None)
+    wrong = []
+    for module in _modules_mentioning(root, _GROUP):
+        checked = _defining(read, module, "LogitsProcessor")
+        if checked is not None and checked not in ours:
+            wrong.append(f"{module} checks {checked[0]}:{checked[1]}")
+    return f"MISSING base class: {'; '.join(wrong)}" if wrong else "ok"
+
+
+def _modules_mentioning(root: str | Path, text: str) -> list[str]:
+    path = Path(root)
+    if str(root).endswith(".whl"):
+        with zipfile.ZipFile(path) as archive:
+            files = [(n, archive.read(n)) for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+    else:
+        files = [(p.relative_to(path).as_posix(), p.read_bytes()) for p in sorted(path.glob("vllm/**/*.py"))]
+    found = [n for n, data in files if f'"{text}"'.encode() in data]
+    return [n.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for n in found]
+
+
+def _defining(read: Reader, module: str, name: str, depth: int = 0) -> tuple[str, str] | None:
+    """Where ``module``'s ``name`` is defined as a class, following ``from X import name`` within vLLM."""
+    source = _module_source(read, module)
+    if source is None or depth > 4:
+        return None
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return module, name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    origin = _absolute(module, node, source_is_package=_is_package(read, module))
+                    if origin and origin.startswith("vllm"):
+                        return _defining(read, origin, alias.name, depth + 1)
+    return None
 
 
 def _folder_reader(root: Path) -> Reader:

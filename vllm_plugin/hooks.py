@@ -44,12 +44,27 @@ def register() -> None:
             skipped, since vLLM calls this in every process and an exception would stop every engine.
     """
     instance_salt()  # a malformed QMC_SAMPLER_SALT stops the engine at start, not each request
-    for step in (_install_logprobs, _record_engine_facts, _keep_model_runner_v2_choice, install_prompt_marks,
-                 _add_worker_stats):  # fmt: skip
+    for step in (_one_distribution, _install_logprobs, _record_engine_facts, _keep_model_runner_v2_choice,
+                 install_prompt_marks, _add_worker_stats):  # fmt: skip
         try:
             step()
         except Exception:
             logger.exception("qmc-sampler: %s failed on this vLLM and is skipped", step.__name__.strip("_"))
+
+
+def _one_distribution() -> None:
+    """Say once where two distributions declare this package's entry points (this project installed
+    before 0.2.0 as ``qmc-sampler`` and again as ``qmc-llm-sampler``): vLLM would load the processor
+    twice, and two processors imposing on one row break processed logprobs and double the counters."""
+    from importlib.metadata import distributions
+
+    owners = sorted({d.metadata["Name"] for d in distributions()
+                     if any(ep.group == "vllm.logits_processors" and ep.value.startswith("qmc_sampler.")
+                            for ep in d.entry_points)})  # fmt: skip
+    if len(owners) > 1:
+        _say_once("twice", f"qmc-sampler: {owners} each declare qmc_sampler's vLLM entry points, so vLLM loads the "
+                  "processor more than once: `pip uninstall qmc-sampler` (the name this project had before 0.2.0), "
+                  "then reinstall qmc-llm-sampler")  # fmt: skip
 
 
 def _install_logprobs() -> None:
@@ -137,11 +152,15 @@ def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> An
 
     from qmc_sampler.members.keys import ENV_METHOD
 
-    if runner == "mrv2" and _mrv2_without_processors():
-        inactive, remedy = "it runs Model Runner V2, which runs no logits processors before vLLM 0.31", \
-            "unset VLLM_USE_V2_MODEL_RUNNER"  # fmt: skip
-    else:
-        inactive, remedy = compat.runner_problem(runner), EngineFacts.remedy
+    try:
+        if runner == "mrv2" and _mrv2_without_processors():
+            inactive, remedy = "it runs Model Runner V2, which runs no logits processors before vLLM 0.31", \
+                "unset VLLM_USE_V2_MODEL_RUNNER"  # fmt: skip
+        else:
+            inactive, remedy = compat.runner_problem(runner), EngineFacts.remedy
+    except Exception as e:  # an unknown vLLM: the engine starts, designs are refused (fail closed)
+        logger.exception("qmc-sampler: cannot tell whether this engine runs the plugin")
+        inactive, remedy = f"its runner could not be checked ({type(e).__name__}: {e})", EngineFacts.remedy
     facts = EngineFacts(
         speculative=speculative_config is not None,
         logprobs_mode=str(getattr(model_config, "logprobs_mode", "raw_logprobs")),
@@ -202,7 +221,7 @@ def _mrv2_without_processors() -> bool:
     """True on a vLLM whose MRV2 runs no logits processors, where the user asked for MRV2."""
     from vllm import envs
 
-    return not compat.present("mrv2_processor") and envs.VLLM_USE_V2_MODEL_RUNNER is True
+    return not compat.present("mrv2_processor") and getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is True
 
 
 def _keep_model_runner_v2_choice() -> None:

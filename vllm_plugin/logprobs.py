@@ -170,5 +170,5 @@ def _store(processed: torch.Tensor, rows: torch.Tensor, logits: torch.Tensor, mo
 #: runner → (touch points that must all be there, the wrapper, the touch point of the wrapped method).
 _RUNNER_TARGETS = {
     "v1": (("v1_sample", "apply_top_k_top_p"), _wrap_v1, "v1_sample"),
-    "mrv2": (("mrv2_processor", "mrv2_sample"), _wrap_v2, "mrv2_sample"),
+    "mrv2": (("mrv2_processor", "mrv2_sample", "mrv2_sampler"), _wrap_v2, "mrv2_sample"),
 }

@@ -42,8 +42,12 @@ install_prompt_marks()
 
 #: The running vLLM's logits-processor base classes: V1's (vLLM < 0.34) and MRV2's (>= 0.31). Each
 #: runner's loader accepts only subclasses of its own; a vLLM with neither gets a plain class, which
-#: imports (the entry point never breaks an engine) and serves nothing.
-_BASES = tuple(b for b in (compat.find("v1_processor"), compat.find("mrv2_processor")) if b is not None) or (object,)
+#: imports and serves nothing (a loader that checks a class at none of the table's places would refuse
+#: it: ``make compat-check`` finds such a release, the "loaders" verdict of compat.check_sources).
+_FOUND = list(dict.fromkeys([*compat.find_all("v1_processor"), *compat.find_all("mrv2_processor")]))
+# Every name a loader may check the class against (the MRV2 loader's own import too); one class re-exported
+# under two names counts once, and a base that is another's parent is implied by it.
+_BASES = tuple(b for b in _FOUND if not any(o is not b and issubclass(o, b) for o in _FOUND)) or (object,)
 _said: set[str] = set()
 
 

@@ -428,6 +428,9 @@ def resolve(params: Any) -> GroupArgs | None:
     kept = {k: own[k] for k in (_USER_SEED, _PROMPT) if k in own}
     if own:  # drop a previous call's placement: one params object often serves many prompts
         _store(params, dict(extra), kept)
+    facts = _ENGINE.get()
+    if facts is not None and "qmc_method" in extra and params.temperature >= SAMPLING_EPS:
+        _engine_can_serve(facts, explicit_design=True)  # before the values: the 400 says why none is served
     check_extra_args(extra)
     env_method = _env_default(ENV_METHOD, METHODS)
     env_order = _env_default(ENV_ORDER, ORDERS)
@@ -439,7 +442,6 @@ def resolve(params: Any) -> GroupArgs | None:
         method = env_method
     if method is None or params.temperature < SAMPLING_EPS:
         return None
-    facts = _ENGINE.get()
     if facts is not None and not _engine_can_serve(facts, explicit_design="qmc_method" in extra):
         return None
     if params.seed is not None:

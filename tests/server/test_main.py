@@ -83,3 +83,17 @@ def test_version_names_the_distribution_its_release_and_the_vllm_under_it(capsys
     assert done.value.code == 0
     expected = f"qmc-serve (qmc-llm-sampler {qmc_sampler.__version__}) on vLLM {vllm.__version__}"
     assert capsys.readouterr().out.strip() == expected
+
+
+def test_a_vllm_without_what_qmc_serve_needs_is_refused_at_start_in_one_line(monkeypatch, capsys):
+    # vLLM 0.24-0.28's AsyncLLM cannot count its unfinished requests: /stats and the graceful shutdown
+    # answered 500 there. qmc-serve says so before anything starts.
+    from qmc_sampler.server.main import main
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    monkeypatch.delattr(AsyncLLM, "get_num_unfinished_requests")
+    with pytest.raises(SystemExit) as done:
+        main(["--model", "/some/model"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "qmc-serve cannot run on vLLM" in err and "vllm serve" in err, err

@@ -35,6 +35,8 @@ def test_the_installed_release_passes_its_own_source_check():
 def test_every_touch_point_the_source_check_finds_is_found_at_run_time():
     verdicts = compat.check_sources(Path(vllm.__file__).parent.parent)
     for name, verdict in verdicts.items():
+        if name not in compat.TOUCHPOINTS:  # "loaders", "interfaces": verdicts on the release as a whole
+            continue
         if verdict == "ok":
             compat.locate(name)  # raises TouchpointError if the runtime sees otherwise
         elif verdict.startswith("absent"):
@@ -127,7 +129,7 @@ def _fake_mrv2_release(root: Path, context_has_input_ids: bool = True) -> Path:
 def test_a_release_with_model_runner_v2_alone_serves_mrv2_and_needs_nothing_of_the_v1_runner(tmp_path):
     verdicts = compat.check_sources(_fake_mrv2_release(tmp_path))
     assert verdicts["interfaces"] == "mrv2"
-    assert verdicts["v1_processor"] == "absent (optional)"
+    assert verdicts["v1_runner"] == "absent (optional)" and verdicts["v1_processor"] == "not needed (no v1_runner)"
     assert verdicts["batch_update"] == verdicts["v1_sample"] == "not needed (no v1_processor)"
     assert all(verdicts[name] == "ok" for name in compat.INTERFACES["mrv2"])
 
@@ -146,7 +148,7 @@ def test_a_release_with_neither_interface_fails_the_source_check(tmp_path):
     assert verdicts["interfaces"].startswith("MISSING: no logits-processor interface")
 
 
-def test_the_runtime_check_reads_fields_as_the_source_check_does(monkeypatch):
+def test_the_runtime_check_finds_a_field_gone_from_a_class_the_adapter_reads(monkeypatch):
     if not compat.present("mrv2_processor"):
         pytest.skip("this vLLM's MRV2 runs no logits processors")
     assert compat.interface_problem("mrv2") is None
@@ -159,3 +161,21 @@ def test_the_runtime_check_reads_fields_as_the_source_check_does(monkeypatch):
 
     monkeypatch.setattr(package, "LogitsContext", LogitsContext)
     assert "no input_ids" in compat.interface_problem("mrv2")
+
+
+def test_a_loader_that_checks_a_base_class_the_plugin_does_not_subclass_fails_the_source_check(tmp_path):
+    # vLLM's loaders refuse an entry point's class that is not a subclass of their LogitsProcessor: where
+    # that class moved while the loader stayed, every engine would refuse the plugin at start.
+    root = _fake_mrv2_release(tmp_path)
+    package = root / "vllm/v1/worker/gpu/sample/logits_processor"
+    loader = 'LOGITSPROCS_GROUP = "vllm.logits_processors"\nfrom {origin} import LogitsProcessor\n'
+    (package / "loader.py").write_text(loader.format(origin="vllm.v1.worker.gpu.sample.logits_processor.interface"))
+    assert compat.check_sources(root)["loaders"] == "ok"
+    (package / "moved.py").write_text("class LogitsProcessor: ...\n")
+    (package / "loader.py").write_text(loader.format(origin="vllm.v1.worker.gpu.sample.logits_processor.moved"))
+    assert compat.check_sources(root)["loaders"] == "ok"  # the loader's own name is a place of the table
+    (package / "loader.py").unlink()
+    (package.parent / "plugins.py").write_text(loader.format(origin="vllm.v1.worker.gpu.sample.logits_processor.moved"))
+    verdict = compat.check_sources(root)["loaders"]
+    assert verdict.startswith("MISSING base class") and "logits_processor.moved:LogitsProcessor" in verdict
+    assert compat.main([str(root)]) == 1

@@ -99,3 +99,21 @@ def test_before_0_31_a_design_on_a_kept_mrv2_engine_is_refused_at_admission(engi
     SamplingParams(n=2, temperature=1.0, extra_args={"qmc_method": "lattice"}).verify(
         engine_config.model_config, None, None, None
     )  # the V1 runner: served with its design
+
+
+def test_a_step_that_fails_on_an_unknown_vllm_is_logged_and_the_others_still_run(monkeypatch, caplog):
+    # vLLM calls register() in every process before building an engine: an exception there would stop
+    # every engine of the environment, designs or not.
+    from qmc_sampler.vllm_plugin import hooks
+
+    worker_base = compat.locate("worker_base")
+    monkeypatch.delattr(worker_base, "qmc_sampler_stats")
+
+    def _install_logprobs() -> None:  # as on a vLLM that moved what it wraps
+        raise AttributeError("module 'vllm.v1.sample' has no attribute 'sampler'")
+
+    monkeypatch.setattr(hooks, "_install_logprobs", _install_logprobs)
+    with caplog.at_level(logging.ERROR, logger="vllm.qmc_sampler"):
+        hooks.register()
+    assert any("install_logprobs failed on this vLLM" in r.getMessage() for r in caplog.records)
+    assert hasattr(worker_base, "qmc_sampler_stats")  # the steps after it ran

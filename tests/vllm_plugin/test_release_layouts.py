@@ -116,6 +116,32 @@ def _remove_last_touch_point(runner: str, monkeypatch) -> str:
     raise AssertionError(runner)
 
 
+def _worker_processor(engine_config, runner: str, monkeypatch):
+    """The processor as the runner's loader builds it, and a function that adds a request to it as the
+    runner does (returns whether the processor took it)."""
+    import torch
+    from qmc_sampler.vllm_plugin import QMCLogitsProcessor
+
+    if runner == "mrv2":
+        import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+        from vllm.v1.worker.gpu.states import RequestState
+
+        monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)  # vLLM's own CPU-tensor path
+        states = RequestState(8, 256, 256, 0, engine_config.model_config.get_vocab_size(), torch.device("cpu"))
+        processor = QMCLogitsProcessor(engine_config, LogitsProcRequestState.from_request_state(states))
+        return processor, lambda params: processor.add_request(0, params)
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    processor = QMCLogitsProcessor(engine_config, torch.device("cpu"), False)
+
+    def add(params) -> bool:
+        processor.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, [1, 2, 3], [])], moved=[]))
+        return processor.stats()["rows"] == 1
+
+    return processor, add
+
+
 def test_with_a_touch_point_removed_engines_start_serve_and_refuse_designs(engine_config, monkeypatch, caplog):
     import torch
     from qmc_sampler.vllm_plugin import QMCLogitsProcessor
@@ -123,35 +149,29 @@ def test_with_a_touch_point_removed_engines_start_serve_and_refuse_designs(engin
     from vllm.v1.engine.input_processor import InputProcessor
 
     runner = compat.engine_runner(engine_config)
+    placed = SamplingParams(n=8, temperature=1.0, max_tokens=4, extra_args={"qmc_method": "lattice"})
+    QMCLogitsProcessor.validate_params(placed)  # admitted while the layout was whole: it carries its group
+    _, add = _worker_processor(engine_config, runner, monkeypatch)
+    assert add(placed.clone())  # the release as it is: the processor takes the designed request
+
     removed = _remove_last_touch_point(runner, monkeypatch)  # a release that moved what the adapter reads
     monkeypatch.setenv("QMC_SAMPLER", "lattice")
     assert removed in compat.runner_problem(runner)
-    with caplog.at_level(logging.WARNING, logger="vllm.qmc_sampler"):
-        front_end = InputProcessor(engine_config)  # the engine's front end starts, and says why once
-    said = [r.getMessage() for r in caplog.records if "cannot run the plugin" in r.getMessage()]
-    assert len(said) == 1 and removed in said[0], said
     designed = SamplingParams(n=8, temperature=1.0, max_tokens=4, extra_args={"qmc_method": "lattice"})
-    with pytest.raises(VLLMValidationError, match=rf"qmc_method.*cannot run the qmc-sampler plugin.*{removed}"):
-        front_end._validate_params(designed, ("generate",))
-    drop_in = SamplingParams(n=8, temperature=1.0, max_tokens=4)
-    front_end._validate_params(drop_in, ("generate",))  # the drop-in is off here, not an error
+    with caplog.at_level(logging.WARNING, logger="vllm.qmc_sampler"):
+        front_end = InputProcessor(engine_config)  # the engine's front end starts
+        # (vLLM < 0.31 builds an engine's admission facts at its first request, >= 0.31 at start)
+        with pytest.raises(VLLMValidationError, match=rf"qmc_method.*cannot run the qmc-sampler plugin.*{removed}"):
+            front_end._validate_params(designed, ("generate",))
+        drop_in = SamplingParams(n=8, temperature=1.0, max_tokens=4)
+        front_end._validate_params(drop_in, ("generate",))  # the drop-in is off here, not an error
     assert "_qmc" not in (drop_in.extra_args or {})
+    said = [r.getMessage() for r in caplog.records if "cannot run the plugin" in r.getMessage()]
+    assert len(said) == 1 and removed in said[0], said  # once, for the engine
 
-    # The worker builds the processor as its runner's loader does; it steps aside.
-    if runner == "mrv2":
-        import vllm.v1.worker.gpu.buffer_utils as buffer_utils
-        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
-        from vllm.v1.worker.gpu.states import RequestState
-
-        monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)  # vLLM's own CPU-tensor path
-
-        vocab = engine_config.model_config.get_vocab_size()
-        states = RequestState(8, 256, 256, 0, vocab, torch.device("cpu"))
-        processor = QMCLogitsProcessor(engine_config, LogitsProcRequestState.from_request_state(states))
-        assert processor.add_request(0, designed) is False
-    else:
-        processor = QMCLogitsProcessor(engine_config, torch.device("cpu"), False)
-        processor.update_state(None)
-    logits = torch.randn(2, 16)
+    # The worker's processor steps aside: it takes no request, not even one admitted before.
+    processor, add = _worker_processor(engine_config, runner, monkeypatch)
+    assert not add(placed.clone())
+    logits = torch.randn(1, 16)
     assert torch.equal(processor.apply(logits.clone()), logits)
     assert processor.stats()["inactive"] and processor.stats()["admitted"] == 0
