@@ -26,6 +26,8 @@ __all__ = ["FIELDS", "LEAST_LOADED", "FieldError", "Plan", "plan_other_route", "
 
 FIELDS = ("sampler", "sampler_seed", "sampler_offset", "sampler_group_size")
 LEAST_LOADED = ""
+#: The body field whose entries are a route's prompts, each its own engine request (``items`` elsewhere).
+PROMPTS_OF = {"/v1/chat/completions/batch": "messages", "/v1/systemone": "questions"}
 
 
 class FieldError(ValueError):
@@ -183,8 +185,9 @@ def plan_other_route(path: str, body: dict[str, Any], *, max_n: int) -> Plan:
     ``/v1/completions``.
 
     Members are n × prompts: ``n`` at the top level or in ``sampling_params`` (the token route),
-    prompts the conversations of a batch-chat body or the items of a generative-scoring body (one
-    otherwise). Several members stay on one engine (:data:`LEAST_LOADED`); a lone member goes where
+    prompts the conversations of a batch-chat body, the items of a generative-scoring body or the
+    questions of a structured-decision body (``/v1/systemone``: one engine request per question at
+    most; one otherwise). Several members stay on one engine (:data:`LEAST_LOADED`); a lone member goes where
     its prompt hashes (auto-group repeats meet), and a caller's ``qmc_group`` without ``qmc_index``
     to its group's engine.
 
@@ -201,8 +204,8 @@ def plan_other_route(path: str, body: dict[str, Any], *, max_n: int) -> Plan:
                 f"n={size!r} on {path} must be an integer between 1 and {max_n} (this server's --max-n)", "n"
             )
     n = max([1, *(size for size in sizes if size is not None)])
-    prompts = body.get("messages") if path.endswith("/batch") else body.get("items")
-    groups = len(prompts) if isinstance(prompts, list) and prompts else 1
+    prompts = body.get(PROMPTS_OF.get(path, "items"))
+    groups = len(prompts) if isinstance(prompts, list | dict) and prompts else 1
     members = n * groups
     xargs = body.get("vllm_xargs")
     if isinstance(params, dict) and not isinstance(xargs, dict):

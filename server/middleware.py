@@ -6,7 +6,8 @@ others): the body limit; our ``sampler*`` fields mapped onto ``vllm_xargs``
 pinned to one data-parallel engine, an auto-group repeat to the engine its prompt
 picks (vLLM's ``X-data-parallel-rank``; the plugin numbers children in their engine);
 ``sampler``/``sampler_seed`` added to the response and every streamed chunk; counters
-and a log line (:mod:`.observability`). Also ``GET /stats``, the start-up plugin
+and a log line (:mod:`.observability`). Also the key and the member limit on vLLM's WebSocket
+``/v1/realtime`` (one member per open connection), ``GET /stats``, the start-up plugin
 check, and a graceful SIGTERM (503 to new requests, ``--shutdown-timeout`` for running
 ones, then aborts that still end each response properly).
 
@@ -56,7 +57,11 @@ OTHER_SAMPLING_ROUTES = (
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
     "/generative_scoring",
+    "/v1/systemone",
 )
+#: vLLM's WebSocket routes that run the engine: ``/v1/realtime`` (one streaming generation at a time
+#: per connection). A connection holds one member of the limit while it is open, and needs the key.
+WEBSOCKET_ROUTES = ("/v1/realtime",)
 #: Routes that run the engine which vLLM leaves without its key check (outside ``GUARDED_PREFIX``):
 #: qmc-serve asks for the key there too, so that with a key set nothing generates without it.
 UNGUARDED_BY_VLLM = (INVOCATIONS, "/generative_scoring")
@@ -118,6 +123,9 @@ class QMCServeMiddleware:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, self._lifespan_send(scope, send))
+            return
+        if scope["type"] == "websocket" and _route_path(scope) in WEBSOCKET_ROUTES:
+            await self._serve_websocket(self._server(scope), scope, receive, send, _route_path(scope))
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -241,6 +249,44 @@ class QMCServeMiddleware:
             METRICS.in_flight.dec(plan.members)
             await server.limiter.release(plan.members)
             log_request(None, path, server.args.sampler, plan.n, None, status[0] if status else 0,
+                        time.monotonic() - started)  # fmt: skip
+
+    async def _serve_websocket(self, server: _Server, scope: dict[str, Any], receive: Any, send: Any,
+                               path: str) -> None:  # fmt: skip
+        """vLLM's WebSocket route with the key asked for and one member of ``--max-members-in-flight``
+        held while the connection is open (it runs one generation at a time, whenever the client asks);
+        a connection refused is denied before vLLM accepts it, with the status and body of a POST's."""
+        if server.key_needed(path) and not server.authorized(scope):
+            METRICS.rejected.labels(RejectedBy.AUTH).inc()
+            await _deny_websocket(scope, receive, send, FieldError("Unauthorized", None, status=401))
+            return
+        if server.closing:
+            METRICS.rejected.labels(RejectedBy.CLOSING).inc()
+            await _deny_websocket(scope, receive, send, FieldError("the server is shutting down", None, status=503))
+            return
+        started = time.monotonic()
+        try:
+            await server.limiter.acquire(1)
+        except FieldError as e:
+            METRICS.rejected.labels(RejectedBy.CAPACITY if e.status == 429 else RejectedBy.INVALID).inc()
+            await _deny_websocket(scope, receive, send, e)
+            return
+        METRICS.in_flight.inc(1)
+        status: list[int] = []
+
+        async def watched(message: dict[str, Any]) -> None:
+            if not status and message["type"] in ("websocket.accept", "websocket.http.response.start",
+                                                  "websocket.close"):  # fmt: skip
+                status.append({"websocket.accept": 101, "websocket.close": 403}.get(message["type"])
+                              or message["status"])  # fmt: skip
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            METRICS.in_flight.dec(1)
+            await server.limiter.release(1)
+            log_request(None, path, server.args.sampler, 1, None, status[0] if status else 0,
                         time.monotonic() - started)  # fmt: skip
 
     def _engine_for(self, scope: dict[str, Any], plan: Plan) -> int | None:
@@ -483,6 +529,24 @@ async def _refuse(send: Any, error: FieldError, reason: str) -> None:
     METRICS.rejected.labels(reason).inc()
     headers = [(b"retry-after", str(int(error.retry_after)).encode())] if error.retry_after else []
     await _respond(send, error.status, error.body(), headers)
+
+
+async def _deny_websocket(scope: dict[str, Any], receive: Any, send: Any, error: FieldError) -> None:
+    """Refuse a WebSocket connection before it is accepted: the HTTP status and body a POST would get
+    (with ``Retry-After`` where it applies) where the server can send a response instead (ASGI's
+    ``websocket.http.response`` extension: uvicorn's), else a close (the handshake's 403), whose code
+    says which (1008: the key or the request, 1013: try again later)."""
+    await receive()  # the client's websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        payload = json.dumps(error.body() if error.status != 401 else {"error": "Unauthorized"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        if error.retry_after:
+            headers.append((b"retry-after", str(int(error.retry_after)).encode()))
+        await send({"type": "websocket.http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": payload})
+        return
+    code = 1013 if error.status in (429, 503) else 1008
+    await send({"type": "websocket.close", "code": code, "reason": str(error)[:120]})
 
 
 async def _respond(send: Any, status: int, body: dict[str, Any], headers: list[Any] | None = None) -> None:
