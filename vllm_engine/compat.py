@@ -143,6 +143,9 @@ TOUCHPOINTS: dict[str, Touchpoint] = {
         Touchpoint("prompt_marks", ("vllm.entrypoints.serve.engine.serving:BaseServing._log_inputs",),
                    ("self", "request_id", "inputs", "params", "lora_request"),
                    "telling apart the prompts of one multi-prompt request (request_args.install_prompt_marks)"),
+        Touchpoint("child_info", ("vllm.v1.engine.parallel_sampling:ParentRequest.get_child_info",), ("self", "index"),
+                   "numbering an n > 1 request's children in the front end, whatever engine runs each "
+                   "(request_args.install_child_marks)"),
         Touchpoint("worker_base", ("vllm.v1.worker.worker_base:WorkerBase",), None,
                    "asking every worker whether it runs the processor (servers, qmc-eval)"),
         Touchpoint("serve_cli_args", ("vllm.entrypoints.common.cli_args:make_arg_parser",
