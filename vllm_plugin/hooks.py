@@ -9,6 +9,7 @@ workers) before building an engine; it is idempotent. It
    (``InputProcessor._build_logits_processors_params_validator``) so that
    :func:`~qmc_sampler.vllm_plugin.request_args.resolve` knows its engine's
    speculative decoding and ``logprobs_mode`` (:class:`~.request_args.EngineFacts`),
+   and whether a worker of it stopped drawing (then designs are refused),
    and logs at engine start when the plugin cannot act (speculative decoding); and
 3. gives vLLM's workers a ``qmc_sampler_stats`` method, so that a server or an
    evaluation run can ask every worker whether it runs the processor
@@ -20,6 +21,7 @@ Nothing here changes an engine or request without a design. ``VLLM_PLUGINS``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from qmc_sampler.vllm_engine import compat
+from qmc_sampler.vllm_engine import checks, compat
 from qmc_sampler.vllm_plugin.request_args import engine_facts, install_prompt_marks, instance_salt
 
 __all__ = ["register"]
@@ -116,7 +118,7 @@ def _record_engine_facts() -> None:
         facts = _engine_facts(self.vllm_config.speculative_config, self.model_config, runner)
 
         def validator(params: Any) -> None:
-            with engine_facts(facts):
+            with engine_facts(_while_drawing(facts)):
                 validate(params)
 
         return validator
@@ -142,8 +144,23 @@ def _record_engine_facts_at_verify() -> None:
             runner = "mrv2" if _mrv2_without_processors() else "v1"
             facts = _engine_facts(speculative_config, model_config, runner)
             _remember_facts(model_config, facts)
-        with engine_facts(facts):
+        with engine_facts(_while_drawing(facts)):
             return original(self, model_config, speculative_config, *args, **kwargs)
+
+
+def _while_drawing(facts: Any) -> Any:
+    """``facts``, with the plugin inactive where a worker of this engine stopped drawing (its draw failed
+    on every backend: :mod:`qmc_sampler.vllm_plugin.processor`), so that admission refuses designs.
+
+    Asked at every admission: one stat of the folder where workers record it, read again only when it
+    changed (:func:`qmc_sampler.vllm_engine.checks.broken_below`)."""
+    if facts.inactive is not None:
+        return facts
+    broken = checks.broken_below()
+    if broken is None:
+        return facts
+    return dataclasses.replace(facts, inactive=f"it stopped drawing: {broken}",
+                               remedy="restart the engine (its log holds the failed draw's traceback)")  # fmt: skip
 
 
 def _engine_facts(speculative_config: Any, model_config: Any, runner: str) -> Any:

@@ -11,28 +11,43 @@ a design it draws the member's token from the processed distribution and sets ev
 of the row to ``-inf``. Greedy rows and requests without a design are left untouched.
 :func:`plugin_stats` reads the counters. Where it sits in each runner, and why declaring argmax
 invariance is truthful: docs/internals.md, "The plugin in vLLM's two runners".
+
+A draw that raises never reaches vLLM (it would take the engine down for every user), and is never
+served under a design's name for long (:class:`DrawHealth`): a fused backend (``cpp``, ``triton``)
+that fails has the same step drawn again on the pure-torch path — exact too, so nothing is left to
+vLLM — and after :data:`FAILURES_IN_A_ROW` failing steps in a row it is dropped for this processor
+(said once). Where the pure-torch path fails as well, the rows are left to vLLM (counted:
+``draw_failed_rows``), and after as many such steps in a row the processor stops drawing: admission
+then refuses designs (:func:`qmc_sampler.vllm_engine.checks.record_broken_draws`). One traceback per
+backend, then counters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+import os
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from qmc_sampler.vllm_engine import compat
+from qmc_sampler.vllm_engine import checks, compat
 from qmc_sampler.vllm_plugin.adapters import MRV2Slots, V1Rows
 from qmc_sampler.vllm_plugin.logprobs import PROCESSED_MODES, Capture, require_for
 from qmc_sampler.vllm_plugin.request_args import install_prompt_marks, resolve
 
+from qmc_sampler import kernels
 from qmc_sampler.kernels import upload
 from qmc_sampler.members import EngineSalt, GroupResolver, Member, MemberRegistry
 
 if TYPE_CHECKING:
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-__all__ = ["QMCLogitsProcessor", "plugin_stats"]
+__all__ = ["FAILURES_IN_A_ROW", "DrawHealth", "QMCLogitsProcessor", "plugin_stats"]
 
 logger = logging.getLogger("vllm.qmc_sampler")
 
@@ -49,6 +64,59 @@ _FOUND = list(dict.fromkeys([*compat.find_all("v1_processor"), *compat.find_all(
 # under two names counts once, and a base that is another's parent is implied by it.
 _BASES = tuple(b for b in _FOUND if not any(o is not b and issubclass(o, b) for o in _FOUND)) or (object,)
 _said: set[str] = set()
+
+#: Steps in a row whose draw fails before the processor stops using what fails: the fused backend
+#: (the pure-torch path draws from then on), or every backend (it stops drawing; designs are refused).
+FAILURES_IN_A_ROW = 3
+#: ``qmc_sampler.kernels`` reads this at every draw (``backend_for``); the processor sets it to
+#: ``torch`` around its own draw only, which is how kernels lets one caller use the pure-torch path.
+_BACKEND_ENV = "QMC_SAMPLER_BACKEND"
+
+
+@dataclass
+class DrawHealth:
+    """How one processor's draws went (its ``draw_*`` stats), and what it draws with now.
+
+    Attributes:
+        drawn: rows the plugin drew.
+        failures: steps on which a draw raised (on any backend).
+        failed_rows: rows left to vLLM because the draw failed on every backend: vLLM sampled them
+            i.i.d., so their members' groups are not the design their requests named.
+        backend: the backend of its first draw (``qmc_sampler.kernels``), None before it.
+        fallback: why it draws on the pure-torch path instead, or None.
+        broken: why it stopped drawing (every designed row goes to vLLM; designs are refused), or None.
+        error: the last failure, ``"Type: message"``.
+    """
+
+    drawn: int = 0
+    failures: int = 0
+    failed_rows: int = 0
+    backend: str | None = None
+    fallback: str | None = None
+    broken: str | None = None
+    error: str | None = None
+    fused_in_a_row: int = 0  # steps in a row whose fused backend failed
+    all_in_a_row: int = 0  # steps in a row whose draw failed on every backend
+    traced: set[str] = field(default_factory=set)  # backends whose failure was logged with its traceback
+    step_failed: bool = False  # this step's failure is counted (a fused failure, then the torch path's)
+
+    def count_failure(self) -> None:
+        """Count this step in :attr:`failures`, once however many of its draws raised."""
+        if not self.step_failed:
+            self.step_failed = True
+            self.failures += 1
+
+    def stats(self) -> dict[str, Any]:
+        """The ``draw_*`` counters of :meth:`QMCLogitsProcessor.stats`."""
+        return {
+            "drawn": self.drawn,
+            "draw_failures": self.failures,
+            "draw_failed_rows": self.failed_rows,
+            "draw_backend": "torch" if self.fallback else self.backend,
+            "draw_fallback": self.fallback,
+            "draw_broken": self.broken,
+            "draw_error": self.error,
+        }
 
 
 class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
@@ -84,6 +152,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         self._capture_rows = mode in PROCESSED_MODES
         self._capture: Capture | None = None
         self._batch: _Batch | None = None
+        self.health = DrawHealth()
         logger.info(
             "qmc-sampler: serving the %s logits-processor interface (logprobs_mode=%s, data-parallel rank %d)",
             "Model Runner V2" if self.interface == "mrv2" else "V1 runner",
@@ -151,6 +220,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
             "children_forgotten": groups.children_forgotten,
             "children_lost": groups.children_lost,
             "orphans": groups.orphans,
+            **self.health.stats(),
         }
 
     def _impose(
@@ -159,16 +229,19 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         # Nothing here waits for the device: the batch's index and parameter tensors are
         # rebuilt only when its members change, and rows the kernel cannot draw from (NaN,
         # nothing admissible: token -1) are left to the engine by the mask itself.
-        batch = self._batch_tensors(row_ids, members, logits, temperature_applied)
-        rows = logits if batch.whole else logits.index_select(0, batch.index)
-        if self._capture_rows:
-            self._capture = Capture(batch.index, rows.clone(), batch.requested)
+        self.health.step_failed = False
+        if self.health.broken is not None:
+            self._leave_undrawn(members, self.health.broken)
+            return
         try:
-            draw = self.registry.draw(rows, members, *batch.params, slots=batch.slots)
+            batch = self._batch_tensors(row_ids, members, logits, temperature_applied)
+            rows = logits if batch.whole else logits.index_select(0, batch.index)
+            if self._capture_rows:
+                self._capture = Capture(batch.index, rows.clone(), batch.requested)
+            draw = self._draw(rows, members, batch)
         except Exception as e:  # never take the engine (every user's requests) down with one batch
-            logger.exception("qmc-sampler: the draw failed; this step's rows are left to the engine")
             self._capture = None
-            self.registry.leave_to_engine(members, f"the draw failed ({type(e).__name__}: {e})")
+            self._draw_failed(e, members)
             return
         ours = draw.tokens >= 0
         if batch.whole:
@@ -180,6 +253,84 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         kept = logits[batch.index, tokens]
         logits.masked_fill_(mask.unsqueeze(1), float("-inf"))
         logits[batch.index, tokens] = torch.where(ours, torch.zeros_like(kept), kept)
+
+    def _draw(self, rows: torch.Tensor, members: list[Member], batch: _Batch) -> Any:
+        """The registry's draw on this processor's backend; a fused backend that raises has the same
+        step drawn again on the pure-torch path (and is dropped after FAILURES_IN_A_ROW steps in a row)."""
+        health = self.health
+
+        def draw() -> Any:
+            return self.registry.draw(rows, members, *batch.params, slots=batch.slots)
+
+        if health.backend is None:
+            health.backend = _backend_of(rows.device)
+        if health.fallback is not None or health.backend == "torch":
+            with _pure_torch() if health.fallback is not None else contextlib.nullcontext():
+                result = draw()
+        else:
+            try:
+                result = draw()
+                health.fused_in_a_row = 0
+            except Exception as e:
+                if not _raised_in_kernels(e):
+                    raise  # the members' state may be half-updated: not drawn again (left to vLLM)
+                self._fused_failed(e)
+                # The draw raised inside the kernels, after the carry and before anything was written
+                # to the pool: drawing again is the same draw, on an exact backend.
+                with _pure_torch():
+                    result = draw()
+        health.all_in_a_row = 0
+        health.drawn += len(members)
+        return result
+
+    def _fused_failed(self, error: Exception) -> None:
+        """Count and say a fused backend's failure (its traceback once); drop it after FAILURES_IN_A_ROW."""
+        health = self.health
+        health.count_failure()
+        health.fused_in_a_row += 1
+        health.error = f"{type(error).__name__}: {error}"
+        backend = health.backend
+        if backend not in health.traced:
+            health.traced.add(backend)
+            logger.warning("qmc-sampler: the %s sampling backend's draw failed; the step is drawn again on the "
+                           "pure-torch path (exact)\n%s", backend, _traceback(error))  # fmt: skip
+        elif health.fused_in_a_row < FAILURES_IN_A_ROW and _power_of_two(health.failures):
+            logger.warning("qmc-sampler: the %s sampling backend's draw failed again (%s); drawn again on the "
+                           "pure-torch path. Failed draws so far: %d",
+                           backend, health.error, health.failures)  # fmt: skip
+        if health.fused_in_a_row >= FAILURES_IN_A_ROW:
+            health.fallback = (f"the {backend} backend's draw failed {health.fused_in_a_row} steps in a row "
+                               f"({health.error})")  # fmt: skip
+            logger.warning("qmc-sampler: %s; this engine draws on the pure-torch path from now on (exact, slower). "
+                           "Reinstall qmc-sampler or set QMC_SAMPLER_BACKEND=torch", health.fallback)  # fmt: skip
+
+    def _draw_failed(self, error: Exception, members: list[Member]) -> None:
+        """The draw failed on every backend: the rows go to vLLM (counted, recorded for the processes that
+        label replies); after FAILURES_IN_A_ROW such steps in a row the processor stops drawing."""
+        health = self.health
+        health.count_failure()
+        health.all_in_a_row += 1
+        health.error = f"{type(error).__name__}: {error}"
+        if "every backend" not in health.traced:
+            health.traced.add("every backend")
+            logger.error("qmc-sampler: the draw failed; this step's designed rows are sampled by vLLM itself "
+                         "(not by their design), counted in draw_failed_rows\n%s", _traceback(error))  # fmt: skip
+        elif _power_of_two(health.failures):
+            logger.error("qmc-sampler: the draw failed again (%s); rows sampled by vLLM so far: %d",
+                         health.error, health.failed_rows + len(members))  # fmt: skip
+        self._leave_undrawn(members, f"the draw failed ({health.error})")
+        checks.record_failed_draw()
+        if health.all_in_a_row >= FAILURES_IN_A_ROW:
+            health.broken = f"its draw failed {health.all_in_a_row} steps in a row ({health.error})"
+            weakref.finalize(self, checks.record_broken_draws(health.broken))
+            logger.error("qmc-sampler: %s; this engine stops drawing: requests with a design are refused from now "
+                         "on, and the designed rows of those running are sampled by vLLM (counted in "
+                         "draw_failed_rows). Restart the engine", health.broken)  # fmt: skip
+
+    def _leave_undrawn(self, members: list[Member], why: str) -> None:
+        """Leave designed rows to vLLM because they could not be drawn (counted in ``draw_failed_rows``)."""
+        self.health.failed_rows += len(members)
+        self.registry.leave_to_engine(members, why)
 
     def _batch_tensors(
         self, row_ids: list[int], members: list[Member], logits: torch.Tensor, temperature_applied: bool
@@ -279,7 +430,11 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         member"), ``admitted_by_design`` the members admitted by the design they draw
         with, ``rows`` members in the batch now, ``parked`` members kept for
         resumption, ``parked_dropped``/``parked_evicted``/``parked_expired`` those dropped by the
-        per-key bound, the global bound, or with their auto group.
+        per-key bound, the global bound, or with their auto group; the draws (:class:`DrawHealth`):
+        ``drawn`` rows, ``draw_failures`` steps whose draw raised, ``draw_failed_rows`` rows vLLM
+        sampled because the draw failed on every backend (also in ``unsampleable``), and the first
+        processor's ``draw_backend``, ``draw_fallback``, ``draw_broken`` and ``draw_error``; ``pid``
+        the worker's process (where it records failed draws: :mod:`qmc_sampler.vllm_engine.checks`).
     """
     runner = worker.model_runner
     found: list[QMCLogitsProcessor] = []
@@ -288,7 +443,8 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         found += [p for p in batch.logitsprocs.all if isinstance(p, QMCLogitsProcessor)]
     sampler = getattr(runner, "sampler", None)
     found += [p for p in getattr(sampler, "logits_processors", []) if isinstance(p, QMCLogitsProcessor)]
-    totals: dict[str, Any] = {"processors": len(found), "interface": found[0].interface if found else None}
+    totals: dict[str, Any] = {"processors": len(found), "interface": found[0].interface if found else None,
+                              "pid": os.getpid()}  # fmt: skip
     totals["inactive"] = next((p.inactive for p in found if p.inactive is not None), None)
     totals["admitted_by_design"] = {}
     for proc in found:
@@ -296,6 +452,54 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
             if key == "admitted_by_design":  # {design: members}: summed design by design
                 for design, count in value.items():
                     totals[key][design] = totals[key].get(design, 0) + count
-            elif key not in ("interface", "inactive"):
+            elif isinstance(value, int) and not isinstance(value, bool):
                 totals[key] = totals.get(key, 0) + value
+            elif key not in ("interface", "inactive") and totals.get(key) is None:  # a word: the first one said
+                totals[key] = value
     return totals
+
+
+def _backend_of(device: torch.device) -> str:
+    """The backend ``qmc_sampler.kernels`` draws with on ``device`` (an unavailable forced one: its name)."""
+    try:
+        return kernels.backend_for(device)
+    except ValueError:  # QMC_SAMPLER_BACKEND names an unavailable backend: each draw raises inside kernels
+        return os.environ.get(_BACKEND_ENV, "").strip() or "unknown"
+
+
+@contextlib.contextmanager
+def _pure_torch() -> Iterator[None]:
+    """Draw on the pure-torch path inside this block (see :data:`_BACKEND_ENV`; a worker's step runs
+    in one thread, and another thread's draw that sees it is exact too)."""
+    held = os.environ.get(_BACKEND_ENV)
+    os.environ[_BACKEND_ENV] = "torch"
+    try:
+        yield
+    finally:
+        if held is None:
+            os.environ.pop(_BACKEND_ENV, None)
+        else:
+            os.environ[_BACKEND_ENV] = held
+
+
+def _raised_in_kernels(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``qmc_sampler.kernels.draw_by_order`` (the backends' call)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _DRAW_CODE:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_DRAW_CODE = kernels.draw_by_order.__code__
+
+
+def _traceback(error: BaseException) -> str:
+    """``error``'s traceback as text: a log record then holds no frame of the step (its logits, the
+    processor), whatever handler keeps it."""
+    return "".join(traceback.format_exception(error)).rstrip()
+
+
+def _power_of_two(count: int) -> bool:
+    return count & (count - 1) == 0

@@ -144,13 +144,16 @@ def asked_design(body):
     return "lattice" if lone and sampler in METHODS and not get_design(sampler).extensible else sampler
 
 
-def admitted_by_design(url):
-    """The plugin's admitted members by design, summed over the server's engines (what the engines did)."""
+def engine_counts(url):
+    """What the engines did, summed over the server's engines: the plugin's admitted members by design,
+    the rows it drew, and the rows vLLM sampled because the plugin's draw failed."""
     total: dict[str, int] = {}
+    drawn = failed = 0
     for engine in httpx.get(url + "/stats", timeout=60).json()["engines"]:
         for design, count in engine["admitted_by_design"].items():
             total[design] = total.get(design, 0) + count
-    return total
+        drawn, failed = drawn + engine["drawn"], failed + engine["draw_failed_rows"]
+    return total, drawn, failed
 
 
 def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
@@ -168,16 +171,19 @@ def test_any_body_is_answered_200_or_4xx_and_leaves_nothing_behind(url):
     def one(request):
         route, body = request
         asked = asked_design(body)
-        before = admitted_by_design(url) if asked is not None else {}
+        before, drawn_before, failed_before = engine_counts(url) if asked is not None else ({}, 0, 0)
         status, reported = send(url, route, body)
         statuses[status] = statuses.get(status, 0) + 1
         assert status == 200 or 400 <= status < 500, (status, route, body)
         if status == 200 and asked is not None:  # never less than asked without a word
             assert reported == (None if asked == "greedy" else asked), (reported, route, body)
-            # ...and the engines drew with it: the reply's label is not enough (qmc-serve writes it).
-            after = admitted_by_design(url)
-            drawn = {d: after[d] - before.get(d, 0) for d in after if after[d] != before.get(d, 0)}
-            assert set(drawn) == (set() if asked == "greedy" else {asked}), (drawn, route, body)
+            # ...and the engines admitted with it and drew its rows: neither the reply's label (qmc-serve
+            # writes it) nor admission is enough, a draw that fails leaves the rows to vLLM.
+            after, drawn_after, failed_after = engine_counts(url)
+            admitted = {d: after[d] - before.get(d, 0) for d in after if after[d] != before.get(d, 0)}
+            assert set(admitted) == (set() if asked == "greedy" else {asked}), (admitted, route, body)
+            assert (drawn_after > drawn_before) == (asked != "greedy"), (drawn_after, drawn_before, route, body)
+            assert failed_after == failed_before, (failed_after, route, body)
 
     one()
     assert statuses.get(200, 0) >= EXAMPLES // 10 and any(400 <= s < 500 for s in statuses), statuses
