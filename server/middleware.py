@@ -5,6 +5,7 @@ others): the body limit; our ``sampler*`` fields mapped onto ``vllm_xargs``
 (:mod:`.fields`); the member limit (:mod:`.admission`); a designed ``n > 1`` request
 pinned to one data-parallel engine, an auto-group repeat to the engine its prompt
 picks (vLLM's ``X-data-parallel-rank``; the plugin numbers children in their engine);
+a designed request refused (400) once the plugin stopped drawing in an engine;
 ``sampler``/``sampler_seed`` added to the response and every streamed chunk; counters
 and a log line (:mod:`.observability`). Also the key and the member limit on vLLM's WebSocket
 ``/v1/realtime`` (one member per open connection), ``GET /stats``, the start-up plugin
@@ -32,6 +33,7 @@ from typing import Any
 from qmc_sampler.server.admission import MemberLimiter
 from qmc_sampler.server.fields import FIELDS, LEAST_LOADED, FieldError, Plan, plan_other_route, plan_request
 from qmc_sampler.server.observability import METRICS, RejectedBy, log_request
+from qmc_sampler.vllm_engine.checks import broken_worker
 from qmc_sampler.vllm_engine.compat import locate
 from starlette.datastructures import Headers
 
@@ -79,6 +81,7 @@ class _Server:
     auth: Any  # vLLM's AuthenticationMiddleware for the server's keys, or None (no key)
     responses: int = 0  # designed or not, in progress
     closing: bool = False
+    workers: tuple[int, ...] = ()  # the engines' worker pids, from the start-up check (their draw records)
     rotation: itertools.count = field(default_factory=itertools.count)
 
     def authorized(self, scope: dict[str, Any]) -> bool:
@@ -201,9 +204,17 @@ class QMCServeMiddleware:
                 payload = json.dumps(plan.body).encode()
             except RecursionError:  # parsed at the edge of Python's depth, not one level deeper
                 raise FieldError("the request body is nested too deeply", None) from None
+            if plan.design is not None and (broken := broken_worker(server.workers)):
+                raise FieldError(
+                    f"sampler {plan.design!r} is unavailable: the qmc-sampler plugin stopped drawing in an engine of "
+                    f"this server ({broken}), so designed requests are refused until it is restarted; send the "
+                    "request with temperature 0 for greedy decoding",
+                    "sampler", code=RejectedBy.UNAVAILABLE,
+                )  # fmt: skip
             await server.limiter.acquire(plan.members)
         except FieldError as e:
-            await _refuse(send, e, RejectedBy.CAPACITY if e.status == 429 else RejectedBy.INVALID)
+            reason = RejectedBy.UNAVAILABLE if e.code == RejectedBy.UNAVAILABLE else RejectedBy.INVALID
+            await _refuse(send, e, RejectedBy.CAPACITY if e.status == 429 else reason)
             return
         design = plan.design or "greedy"
         METRICS.in_flight.inc(plan.members)
@@ -339,17 +350,19 @@ class QMCServeMiddleware:
 
     async def _start(self, scope: dict[str, Any]) -> None:
         """Check the plugin runs in every engine, and make the engine's shutdown graceful."""
-        from qmc_sampler.vllm_engine.checks import require_plugin_async
+        from qmc_sampler.vllm_engine.checks import engine_stats_async, require_plugin_async
 
         engine = scope["app"].state.engine_client
         try:
             await require_plugin_async(engine)  # never label i.i.d. samples "lattice"
+            workers = tuple(w["pid"] for w in await engine_stats_async(engine) if "pid" in w)
         except RuntimeError as e:
             sys.stderr.write(f"qmc-serve: error: {e}\n")
             sys.stderr.flush()
             engine.shutdown()
             os._exit(1)  # one line, not a start-up traceback
         server, loop, stop = self._server(scope), asyncio.get_running_loop(), engine.shutdown
+        server.workers = workers
 
         def shutdown(timeout: float | None = None) -> None:
             # vLLM's SIGTERM handler calls this from a worker thread, so the drain can run on the

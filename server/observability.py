@@ -24,6 +24,7 @@ class RejectedBy:
     CAPACITY = "members_in_flight"
     INVALID = "invalid_request"
     CLOSING = "shutting_down"
+    UNAVAILABLE = "sampler_unavailable"  # the plugin stopped drawing in an engine (its draw fails on every backend)
 
 
 class METRICS:
