@@ -18,12 +18,21 @@ serve such ranges say so with ``supports_rounds = True``.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Completion", "GroupJob", "InProcessBackend", "OnGroup", "member_xargs", "prompt_token_ids"]
+__all__ = [
+    "Completion",
+    "DrawFailedError",
+    "GroupJob",
+    "InProcessBackend",
+    "OnGroup",
+    "member_xargs",
+    "prompt_token_ids",
+]
 
 
 @dataclass(frozen=True)
@@ -105,8 +114,18 @@ def prompt_token_ids(tokenizer: Any, job: GroupJob) -> list[int]:
     return list(tokenizer.encode(job.prompt))
 
 
+class DrawFailedError(RuntimeError):
+    """The plugin's draw failed while a group was generated: vLLM sampled some of its rows itself, so the
+    group is not the design its job names, and it is not handed on (nor any later one)."""
+
+
 class InProcessBackend:
     """Generate with a ``vllm.LLM`` in this process, stepping its engine.
+
+    A group is handed to ``on_group`` only if no worker of the engine left a designed row to vLLM
+    because its draw failed while the group ran (the workers' records on this machine:
+    :func:`qmc_sampler.vllm_engine.checks.draws_failed_since`); otherwise :meth:`run` raises
+    :class:`DrawFailedError`, so every group written is what its design says.
 
     Args:
         llm: the engine (the plugin must be loaded in it).
@@ -120,19 +139,26 @@ class InProcessBackend:
         self.llm = llm
         self.max_members_in_flight = max_members_in_flight
         self._tokenizer = llm.get_tokenizer()
+        self._workers = tuple(w["pid"] for w in llm.collective_rpc("qmc_sampler_stats") if "pid" in w)
 
     def prompt_ids(self, job: GroupJob) -> list[int]:
         """The prompt's token ids, as an OpenAI server would tokenize it (:func:`prompt_token_ids`)."""
         return prompt_token_ids(self._tokenizer, job)
 
     def run(self, jobs: Iterable[GroupJob], on_group: OnGroup) -> None:
-        """Generate every group of ``jobs``; call ``on_group`` as each completes."""
+        """Generate every group of ``jobs``; call ``on_group`` as each completes.
+
+        Raises:
+            DrawFailedError: the plugin's draw failed while a group ran (groups handed on before are exact).
+        """
+        from qmc_sampler.vllm_engine.checks import draws_failed_since
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
         tag = uuid.uuid4().hex[:12]
         pending = iter(jobs)
         open_groups: dict[int, tuple[GroupJob, dict[int, Completion]]] = {}
+        started: dict[int, int] = {}  # group -> time.time_ns() as its first member was added
         in_flight, serial, exhausted = 0, 0, False
         try:
             while True:
@@ -143,6 +169,7 @@ class InProcessBackend:
                         break
                     serial += 1
                     open_groups[serial] = (job, {})
+                    started[serial] = time.time_ns()
                     prompt = {"prompt_token_ids": self.prompt_ids(job)}
                     sampling = {**job.sampling, "include_stop_str_in_output": True}
                     for member in job.member_ids:
@@ -160,7 +187,13 @@ class InProcessBackend:
                     texts[int(member)] = Completion(choice.text, choice.finish_reason, tuple(choice.token_ids))
                     in_flight -= 1
                     if len(texts) == len(job.member_ids):
-                        del open_groups[int(group)]
+                        if draws_failed_since(self._workers, started[int(group)]):
+                            raise DrawFailedError(
+                                f"the qmc-sampler plugin's draw failed while group {job.key} was generated, so vLLM "
+                                f"sampled some of its rows itself and it is not a {job.method} group: the run stops "
+                                "before writing it (the groups written are exact). The engine's log says why"
+                            )
+                        del open_groups[int(group)], started[int(group)]
                         on_group(job, [texts[m] for m in job.member_ids])
         finally:
             # An interrupted run (an error, Ctrl-C) leaves nothing running in a shared engine.

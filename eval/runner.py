@@ -25,7 +25,7 @@ from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from typing import Any
 
-from qmc_sampler.eval.generation import Completion, GroupJob, InProcessBackend
+from qmc_sampler.eval.generation import Completion, DrawFailedError, GroupJob, InProcessBackend
 from qmc_sampler.eval.samples import append_group, read_samples
 from qmc_sampler.eval.tasks import Problem, Task, get_task
 
@@ -222,6 +222,10 @@ def run(
         task: the task, if already built (default: from ``config``).
         progress: show a progress bar over groups (moves as each group completes, with an ETA).
         console: a :class:`qmc_sampler.eval.console.Console` for the bar (default: stderr).
+
+    Raises:
+        RunError: the engine does not run the plugin, or its draw failed while a group was generated
+            (that group is not written; those written are exact, and the run resumes from them).
     """
     from tqdm import tqdm
 
@@ -254,16 +258,18 @@ def run(
                 require_plugin(engine)
             backend = InProcessBackend(engine, config.max_members_in_flight)
 
-        if config.until_correct is not None:
-            _run_until(config, task, problems, backend, out, progress, console)
-            return out
-
         def write(job: GroupJob, members: list[Completion]) -> None:
             sampler, problem_id, g = job.key
             append_group(out / SAMPLES, _records(config, task, sampler, by_id[problem_id], g, job.seed, members))
             bar.update(1)
 
-        backend.run(todo, write)
+        try:
+            if config.until_correct is not None:
+                _run_until(config, task, problems, backend, out, progress, console)
+            else:
+                backend.run(todo, write)
+        except DrawFailedError as e:  # the groups written are exact; the run resumes once the engine draws
+            raise RunError(str(e)) from None
     return out
 
 
