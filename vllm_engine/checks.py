@@ -23,6 +23,7 @@ folder read again only when it changed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -163,6 +164,8 @@ async def engine_stats_async(engine: Any) -> list[dict[str, Any]]:
     Returns:
         The workers' :func:`~qmc_sampler.vllm_plugin.processor.plugin_stats`, engine by engine.
 
+    Raises:
+        RuntimeError: the engine client has several engines and no way to ask each of them.
     """
     return [worker for workers in await _stats_by_engine(engine) for worker in workers]
 
@@ -170,12 +173,24 @@ async def engine_stats_async(engine: Any) -> list[dict[str, Any]]:
 async def _stats_by_engine(engine: Any) -> list[list[dict[str, Any]]]:
     """:func:`engine_stats_async`, one list of workers per data-parallel engine.
 
-    ``AsyncLLM.collective_rpc`` answers for the first engine only when there are several; vLLM's
-    data-parallel client asks each one with ``call_utility_all_async``.
+    ``AsyncLLM.collective_rpc`` answers for the first engine only when there are several. vLLM
+    >= 0.32's data-parallel client asks each one with ``call_utility_all_async``; on older releases
+    (0.24–0.31 have ``AsyncMPClient._call_utility_async(..., engine=)``, on which that method is
+    built) the same utility call is sent to each engine here.
     """
     core = getattr(engine, "engine_core", None)
-    if hasattr(core, "call_utility_all_async") and len(getattr(core, "core_engines", None) or ()) > 1:
-        return list(await core.call_utility_all_async(*_STATS_CALL))
+    engines = list(getattr(core, "core_engines", None) or ())
+    if len(engines) > 1:
+        if hasattr(core, "call_utility_all_async"):
+            return list(await core.call_utility_all_async(*_STATS_CALL))
+        ask = getattr(core, "_call_utility_async", None)
+        if ask is None:
+            raise RuntimeError(
+                f"this vLLM's engine client ({type(core).__name__}) cannot ask each of its {len(engines)} "
+                "data-parallel engines for the plugin's stats; serve without --data-parallel-size, or use a "
+                "vLLM release of qmc-sampler's tested range"
+            )
+        return list(await asyncio.gather(*(ask(*_STATS_CALL, engine=one) for one in engines)))
     return [await engine.collective_rpc("qmc_sampler_stats")]
 
 
