@@ -58,7 +58,7 @@ class AsyncEngine(Engine):
         self._admit(params)
         yield "output"
 
-    def generate(self, prompt, params, request_id):
+    def generate(self, prompt, params, request_id, data_parallel_rank=None):
         return self._outputs(params)
 
     async def collective_rpc(self, name):
@@ -138,3 +138,13 @@ def test_workers_whose_processor_steps_aside_are_named_with_the_reason(door):
     inactive = RUNS[0] | {"inactive": "vllm.v1.worker.gpu.sample.logits_processor:LogitsContext not found"}
     with pytest.raises(RuntimeError, match=r"inactive in vLLM worker\(s\) \[0\] \(.*LogitsContext not found"):
         check(door, stats=[inactive, RUNS[1]])
+
+
+def test_a_data_parallel_client_that_cannot_ask_each_engine_is_refused():
+    from types import SimpleNamespace
+
+    engine = AsyncEngine()
+    engine.engine_core = SimpleNamespace(core_engines=[b"\x00\x00", b"\x01\x00"])  # two engines, no per-engine call
+    with pytest.raises(RuntimeError, match=r"cannot ask each of its 2 data-parallel engines"):
+        asyncio.run(require_plugin_async(engine))
+    assert engine.asked == []  # collective_rpc would answer for the first engine only
