@@ -27,15 +27,23 @@
 The classical estimator is *biased* for correlated groups: a k-subset of a
 correlated group is not a draw from the size-k design.
 
-Intervals (:func:`bca_interval`) resample *problems* only, each problem carrying the
-mean of its groups: problems are the independent units, and the per-problem mean
-already holds the within-problem variance (a second level that resamples groups too
-counts it twice). They are bias-corrected and accelerated (BCa; Efron 1987, "Better
-bootstrap confidence intervals", JASA 82:171), which keeps the 95% intervals at their
-nominal rate where the plain percentile interval under-covers the skewed, bounded
-per-problem values of large k (``benchmarks/ci_coverage.py``; docs/evaluation.md).
+Intervals resample *problems* only, each problem carrying the mean of its groups: problems are
+the independent units, and the per-problem mean already holds the within-problem variance (a
+second level that resamples groups too counts it twice). A pass@k, a solve rate or a mean number
+of samples is the mean of per-problem values with known bounds ([0, 1]; [K, cap]), and takes
+:func:`bounded_mean_interval`: the Bayesian bootstrap (Rubin 1981) with, for each bound, an extra
+atom of Dirichlet weight ½ at the least favourable end of the support (after Gaffke 2005), and
+never narrower than the exact binomial (Clopper–Pearson) interval of the values rounded to the
+bounds — exactly that interval for values all at the bounds. A percentile or BCa bootstrap
+(Efron 1987, :func:`bca_interval`) sees no spread where every problem is solved, and little where
+most are: it covered a 95% pass@4 3.5% of the time on easy tasks (issue 48). A samples-saved
+figure inverts that interval on the gap between the curves (:func:`bootstrap_samples_saved`), a
+ratio takes Fieller's (:func:`fieller_ratio`), a median the order statistics
+(:func:`median_interval`). Their coverage on hard, mixed and easy tasks:
+``benchmarks/ci_coverage.py``, docs/evaluation.md.
 
-(A little over our ~400 lines: each estimator sits beside the sub-design map it relies on.)
+(Over our ~400 lines: each estimator sits beside the sub-design map it relies on, and each interval
+beside the figures that take it.)
 """
 
 from __future__ import annotations
@@ -54,8 +62,10 @@ __all__ = [
     "bca_interval",
     "bootstrap_pass_at_k",
     "bootstrap_samples_saved",
+    "bounded_mean_interval",
     "classical_pass_at_k",
     "fieller_ratio",
+    "median_interval",
     "pass_at_k",
     "per_group_pass_at_k",
     "samples_saved",
@@ -208,6 +218,11 @@ def bca_interval(
 ) -> tuple[float, float, float]:
     """A statistic of problems with its BCa bootstrap interval, problems resampled jointly.
 
+    A general tool; the reports no longer take it for their figures: where every problem is alike
+    (all solved, say) no resample moves the statistic and it returns a zero-width interval, and
+    near that it under-covers (issue 48). A mean of bounded values takes
+    :func:`bounded_mean_interval`.
+
     Args:
         statistic: maps arrays ``[B, P']`` (one per column, rows of resampled problems) to
             the statistic of each row, ``[B]``; it must accept any row length P' (the
@@ -261,6 +276,126 @@ def bca_interval(
     return value, float(min(low, value)), float(max(high, value))
 
 
+#: The Dirichlet weight of the atom :func:`bounded_mean_interval` adds at the least favourable bound:
+#: ½, the Jeffreys prior's half observation. Weight 1 is Gaffke's bound, which covered 0.97–0.98 where
+#: the bootstrap was right (docs/evaluation.md, "Intervals").
+BOUNDARY_WEIGHT = 0.5
+
+
+def _clopper_pearson(successes: int, trials: int, level: float) -> tuple[float, float]:
+    """The exact binomial interval (Clopper & Pearson 1934, Biometrika 26:404) of a rate, as Beta quantiles."""
+    from scipy import stats
+
+    alpha = (1 - level) / 2
+    low = float(stats.beta.ppf(alpha, successes, trials - successes + 1)) if successes > 0 else 0.0
+    high = float(stats.beta.ppf(1 - alpha, successes + 1, trials - successes)) if successes < trials else 1.0
+    return low, high
+
+
+def bounded_mean_interval(
+    values: ArrayLike,
+    *,
+    lo: float = 0.0,
+    hi: float = 1.0,
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The mean of per-problem values known to lie in [lo, hi], with an interval that holds at the bounds.
+
+    Each bound is a quantile of the Bayesian bootstrap of the mean (Rubin 1981, "The Bayesian
+    bootstrap", Ann. Statist. 9:130: Dirichlet(1, …, 1) weights over the problems) with one extra
+    atom at the end of the support least favourable to that bound — ``lo`` for the lower bound,
+    ``hi`` for the upper — of Dirichlet weight :data:`BOUNDARY_WEIGHT` (½): the atom stands for a
+    problem the sample has not shown. With weight 1 this is Gaffke's bound (Gaffke 2005, "Three test
+    statistics for a nonparametric one-sided hypothesis on the mean of a nonnegative variable", Math.
+    Methods Statist. 14:451; Learned-Miller & Thomas 2019, "A new confidence interval for the mean of
+    a bounded random variable", arXiv:1905.06208), which for values all at the bounds is exactly
+    Clopper–Pearson's. Weight ½ gives those values Beta(S, P − S + ½) and Beta(S + ½, P − S)
+    quantiles, between Clopper–Pearson's and Jeffreys' (Brown, Cai & DasGupta 2001, "Interval
+    estimation for a binomial proportion", Statist. Sci. 16:101), whose coverage dips to 0.91 at some
+    rates (48 problems); so each bound is also at least as wide as the exact binomial one of the
+    values rounded away from it (a value above ``lo`` counted as ``hi`` for the lower bound, one
+    below ``hi`` as ``lo`` for the upper). Values all at the bounds — a solve rate, pass@N of one
+    group — thus get Clopper–Pearson's interval (at least 95% at every rate), a sample never a
+    narrower bound than one at least as extreme, and values between the bounds, far from them, the
+    bootstrap's. No sample gives a zero-width interval: 48 of 48 problems solved gives a lower bound
+    of 0.926 for a [0, 1] mean.
+
+    Args:
+        values: ``[P]`` per-problem values (each problem's mean over its groups), in [lo, hi].
+        lo, hi: the bounds of a value (pass@k, a solve rate: 0 and 1; samples to K correct: K and the cap).
+        resamples: Monte Carlo draws of the weights; level: two-sided coverage; seed: the draws' seed.
+
+    Returns:
+        ``(mean, low, high)``; one problem alone has no interval (NaN bounds), as in :func:`bca_interval`.
+
+    Raises:
+        ValueError: no values, a value that is not finite or outside [lo, hi], or lo > hi.
+    """
+    x = np.asarray(values, dtype=np.float64).ravel()
+    if len(x) == 0 or not np.isfinite(x).all():
+        raise ValueError(f"values must be a non-empty array of finite numbers; got {len(x)} values")
+    if not lo <= hi or x.min() < lo - 1e-9 * max(1.0, abs(lo)) or x.max() > hi + 1e-9 * max(1.0, abs(hi)):
+        raise ValueError(f"values must lie in [lo, hi] = [{lo}, {hi}]; got [{x.min()}, {x.max()}]")
+    value = float(x.mean())
+    if len(x) == 1:  # nothing to resample: no interval, rather than a point that looks certain
+        return value, float("nan"), float("nan")
+    if hi == lo:
+        return value, value, value  # the support is one point: the mean is known
+    z = np.clip((x - lo) / (hi - lo), 0.0, 1.0)
+    cp_low, _ = _clopper_pearson(int(np.sum(z > 0)), len(z), level)  # rounded up: every value above lo at hi
+    _, cp_high = _clopper_pearson(int(np.sum(z >= 1)), len(z), level)  # rounded down
+    if np.all((z == 0) | (z == 1)):  # a binomial count: the exact interval, no Monte Carlo
+        low, high = cp_low, cp_high
+    else:
+        rng = np.random.default_rng(seed)
+        low_draws, high_draws = np.empty(resamples), np.empty(resamples)
+        chunk = max(1, 4_000_000 // len(z))  # [chunk, P] weights at a time
+        for start in range(0, resamples, chunk):
+            stop = min(resamples, start + chunk)
+            w = rng.standard_exponential((stop - start, len(z)))  # normalised: Dirichlet(1, …, 1)
+            atom = rng.gamma(BOUNDARY_WEIGHT, size=(2, stop - start))
+            core, total = w @ z, w.sum(axis=1)
+            low_draws[start:stop] = core / (total + atom[0])  # the atom at lo (0 after rescaling)
+            high_draws[start:stop] = (core + atom[1]) / (total + atom[1])  # the atom at hi
+        alpha = (1 - level) / 2
+        low = min(cp_low, float(np.quantile(low_draws, alpha)))
+        high = max(cp_high, float(np.quantile(high_draws, 1 - alpha)))
+    low, high = lo + low * (hi - lo), lo + high * (hi - lo)
+    return value, max(lo, min(low, value)), min(hi, max(high, value))
+
+
+def median_interval(values: ArrayLike, *, level: float = 0.95) -> tuple[float, float, float]:
+    """The median of per-problem values with its distribution-free order-statistic interval.
+
+    [x₍ₗ₎, x₍ₙ₊₁₋ₗ₎] with l the largest rank whose binomial tail P(Bin(n, ½) ≤ l − 1) is at most
+    (1 − level)/2: it covers the population median with probability ≥ ``level`` for every
+    distribution, discrete ones included (Thompson 1936, "On confidence ranges for the median and
+    other expectation distributions for populations of unknown distribution form", Ann. Math.
+    Statist. 7:122; Conover, "Practical Nonparametric Statistics", §3.2).
+
+    Returns:
+        ``(median, low, high)``; NaN bounds where n is too small for ``level`` (n ≤ 5 at 95%).
+
+    Raises:
+        ValueError: no values.
+    """
+    from scipy import stats
+
+    x = np.sort(np.asarray(values, dtype=np.float64).ravel())
+    n = len(x)
+    if n == 0:
+        raise ValueError("values must be non-empty")
+    value = float(np.median(x))
+    tails = stats.binom.cdf(np.arange(n), n, 0.5)  # tails[l - 1] = P(Bin(n, ½) ≤ l − 1)
+    ranks = np.flatnonzero(tails <= (1 - level) / 2)
+    if len(ranks) == 0:
+        return value, float("nan"), float("nan")
+    rank = int(ranks[-1]) + 1  # l, 1-based
+    return value, float(x[rank - 1]), float(x[n - rank])
+
+
 def fieller_ratio(a: ArrayLike, b: ArrayLike, *, level: float = 0.95) -> tuple[float, float, float]:
     """mean(a) / mean(b) over paired problems, with Fieller's interval.
 
@@ -296,25 +431,24 @@ def fieller_ratio(a: ArrayLike, b: ArrayLike, *, level: float = 0.95) -> tuple[f
     return value, float((-qb - root) / (2 * qa)), float((-qb + root) / (2 * qa))
 
 
-def _row_mean(x: NDArray[np.float64]) -> NDArray[np.float64]:
-    return x.mean(axis=1)
-
-
 def bootstrap_pass_at_k(
     per_group: list[NDArray[np.float64]], k: int, *, resamples: int = 2000, level: float = 0.95, seed: int = 0
 ) -> PassAtK:
-    """Mean pass@k over problems, with a BCa bootstrap CI over problems (:func:`bca_interval`).
+    """Mean pass@k over problems, with its interval for a [0, 1] mean (:func:`bounded_mean_interval`).
 
-    Each problem contributes the mean of its groups' estimator values; problems are the
-    resampled units (the module docstring says why not groups too).
+    Each problem contributes the mean of its groups' estimator values, in [0, 1]; problems are
+    the resampled units (the module docstring says why not groups too).
 
     Args:
         per_group: one array per problem: the estimator's per-group values.
         k: for the label.
-        resamples: bootstrap replicates; level: CI coverage; seed: resampling seed.
+        resamples: bootstrap draws; level: CI coverage; seed: the draws' seed.
+
+    Returns:
+        The mean and its interval; NaN bounds for one problem alone.
     """
     values = np.array([g.mean() for g in per_group])
-    value, low, high = bca_interval(_row_mean, [values], resamples=resamples, level=level, seed=seed)
+    value, low, high = bounded_mean_interval(values, resamples=resamples, level=level, seed=seed)
     return PassAtK(k=k, value=value, low=low, high=high)
 
 
@@ -351,20 +485,41 @@ def samples_saved(curve: dict[int, float], target: float, n: int) -> float | Non
 
 @dataclass(frozen=True)
 class SamplesSaved:
-    """A samples-saved figure with its bootstrap interval (percent fewer samples than ``k``).
-
-    ``low``/``high`` are quantiles over the ``resamples - no_crossing`` replicates that
-    had a crossing; ``no_crossing`` replicates had none (no saving shown there), and are
-    reported beside the interval rather than counted as 0 %.
-    """
+    """A samples-saved figure with its interval (percent fewer samples than ``k``;
+    :func:`bootstrap_samples_saved`). ``low`` is 0 where the data cannot rule out no saving, and
+    ``high`` at most 100·(1 − k₀/k), k₀ the smallest k measured."""
 
     k: int
     target: float
     value: float
     low: float
     high: float
-    resamples: int = 0
-    no_crossing: int = 0
+
+
+#: :func:`bootstrap_samples_saved` tests a crossing at this many points per bracket [k_{j−1}, k_j] of
+#: measured k, then places each end of its interval by this many bisections (to 2⁻¹⁴ of a bracket).
+SAVED_GRID, SAVED_BISECTIONS = 16, 10
+
+
+def _gap_bounds(ks: list[int], k: int, u: NDArray[np.float64]) -> tuple[float, NDArray[np.float64]]:
+    """The least population value of curve(k_s) − pass@k for one problem, and the greatest at each
+    position ``u`` (:func:`bootstrap_samples_saved`), over the problem's per-sample success rate p: an
+    exact design's pass@j lies in [p, min(1, j·p)] (pass@1 = p, and the union bound), i.i.d.'s is
+    1 − (1 − p)^k."""
+    p = np.linspace(0.0, 1.0, 1025)
+    iid = 1.0 - (1.0 - p) ** k
+    least = float(np.min(p - iid))  # the curve at its lowest, p at every j
+    j, f = _bracket(u, len(ks))
+    k0, k1 = np.asarray(ks, dtype=np.float64)[j - 1], np.asarray(ks, dtype=np.float64)[j]
+    top = (1 - f)[:, None] * np.minimum(1.0, k0[:, None] * p) + f[:, None] * np.minimum(1.0, k1[:, None] * p)
+    return least, (top - iid).max(axis=1)
+
+
+def _bracket(u: NDArray[np.float64], n_ks: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """Position u ∈ [0, n_ks − 1] along the measured k (u = i at ks[i]) as bracket j (between ks[j−1]
+    and ks[j]) and the fraction f of the way through it, in log k."""
+    j = np.minimum(np.floor(u).astype(np.int64) + 1, n_ks - 1)
+    return j, u - (j - 1)
 
 
 def bootstrap_samples_saved(
@@ -375,41 +530,90 @@ def bootstrap_samples_saved(
     resamples: int = 2000,
     level: float = 0.95,
     seed: int = 0,
+    same_model: bool = True,
 ) -> SamplesSaved | None:
-    """:func:`samples_saved` of a method against i.i.d.'s pass@k, with a bootstrap CI.
+    """:func:`samples_saved` of a method against i.i.d.'s pass@k, with its interval over problems.
 
-    Problems are resampled jointly for both samplers (they share problems), each
-    carrying its groups' means (percentile interval); replicates without a crossing are
-    counted (:attr:`SamplesSaved.no_crossing`), not folded into the interval as 0 %.
+    The interval inverts a test, as Fieller's does for a ratio (Fieller 1954): a saving s puts the
+    crossing at k_s = k·(1 − s/100), and s is in the interval where 0 is in the interval of the mean
+    over problems of d(s) = curve(k_s) − pass@k, each problem's method curve interpolated in log k as
+    :func:`samples_saved` does (so the mean of d(s) is the curves' gap, and 0 at the true saving). The
+    mean's interval is :func:`bounded_mean_interval` on the paired differences d(s), both samplers
+    reweighted alike, with the atom at the least and greatest d an unseen problem can have: where
+    ``same_model`` (both samplers are exact draws from one model: qmc-sampler's designs), over its
+    success rate p with the method's pass@j anywhere in [p, min(1, j·p)] and i.i.d.'s 1 − (1 − p)^k
+    (widened to the data's own range); otherwise [−1, 1]. The bounds of a difference are much
+    closer than [−1, 1] and the differences spread little, so the atom at the corner of the unit
+    square would have covered 0.99–1.00 where a percentile interval was right
+    (``benchmarks/ci_coverage.py``). The interval is the hull of the savings accepted on
+    :data:`SAVED_GRID` points per bracket of measured k, from 0 (no saving) to 100·(1 − k₀/k). Where
+    every problem is solved by both at large k (easy tasks), every saving whose curves tie is
+    accepted: the interval then says how little the problems can tell (issue 48).
 
     Args:
         method: per problem, the method's per-group estimator values by k.
         baseline: per problem (same order), i.i.d.'s per-group pass@k values.
         k: the i.i.d. budget to match.
+        resamples: Monte Carlo draws; level: two-sided coverage; seed: the draws' seed.
+        same_model: whether both samplers draw exactly from the same model (see above).
 
     Returns:
-        The figure, or None when the point estimate has no crossing (see :func:`samples_saved`).
+        The figure, or None when the point estimate has no crossing (see :func:`samples_saved`);
+        NaN bounds with fewer than two problems.
     """
-
-    ks = sorted(method[0])
+    ks = sorted(kk for kk in method[0] if kk <= k)
     # Each problem carries its groups' means; problems are the resampled units (module docstring).
     base = np.array([float(b.mean()) for b in baseline])
-    curves = {kk: np.array([float(m[kk].mean()) for m in method]) for kk in ks}
-
-    def saved(idx: NDArray[np.int64]) -> float | None:
-        return samples_saved({kk: float(curves[kk][idx].mean()) for kk in ks}, float(base[idx].mean()), k)
-
-    p = len(method)
-    point = saved(np.arange(p))
+    curves = np.array([[float(m[kk].mean()) for kk in ks] for m in method])  # [P, len(ks)]
+    point = samples_saved(dict(zip(ks, curves.mean(axis=0), strict=True)), float(base.mean()), k)
     if point is None:
         return None
+    if len(base) < 2:
+        return SamplesSaved(k=k, target=float(base.mean()), value=point, low=float("nan"), high=float("nan"))
+    logk = np.log(np.asarray(ks, dtype=np.float64))
     rng = np.random.default_rng(seed)
-    boot = [saved(rng.integers(0, p, size=p)) for _ in range(resamples)]
-    crossing = np.array([b for b in boot if b is not None])
-    alpha = (1 - level) / 2
-    low, high = np.quantile(crossing, [alpha, 1 - alpha]) if len(crossing) else (np.nan, np.nan)
-    target = float(np.mean([b.mean() for b in baseline]))
-    return SamplesSaved(
-        k=k, target=target, value=point, low=float(low), high=float(high),
-        resamples=resamples, no_crossing=resamples - len(crossing),
-    )  # fmt: skip
+    w = rng.standard_exponential((resamples, len(base)))  # one set of draws for every s tested
+    atom = rng.gamma(BOUNDARY_WEIGHT, size=(2, resamples, 1))
+    share = (1 - level) / 2 * resamples
+
+    def saving(u: NDArray[np.float64]) -> NDArray[np.float64]:
+        j, f = _bracket(u, len(ks))
+        return np.round(100.0 * (1.0 - np.exp((1 - f) * logk[j - 1] + f * logk[j]) / k), 9)  # 0 at k, not 1e-14
+
+    def accepted(u: NDArray[np.float64]) -> NDArray[np.bool_]:
+        """Whether 0 is in the interval of the mean of d(s) at each position u (s = saving(u))."""
+        j, f = _bracket(u, len(ks))
+        gaps = (1 - f) * curves[:, j - 1] + f * curves[:, j] - base[:, None]  # [P, len(u)]: d(s) per problem
+        if same_model:
+            least, most = _gap_bounds(ks, k, u)
+            lo, hi = np.minimum(least, gaps.min(axis=0)), np.maximum(most, gaps.max(axis=0))
+        else:
+            lo, hi = np.full(len(u), -1.0), np.full(len(u), 1.0)
+        # 0 is at or above the draws' (1 − level)/2 quantile where at least that share of them is ≤ 0
+        # (the inverted-CDF quantile, no sort), and at or below the upper one alike. A draw's sign is
+        # that of its weighted sum: the weights' total is positive.
+        weighted = w @ gaps  # [R, len(u)]
+        low_ok = np.sum(weighted + atom[0] * lo <= 0, axis=0) >= share
+        high_ok = np.sum(weighted + atom[1] * hi >= 0, axis=0) >= share
+        mean = gaps.mean(axis=0)
+        return (low_ok | (mean <= 0)) & (high_ok | (mean >= 0))
+
+    # The point estimate's position (where the mean of d is 0) is always accepted; the accepted set
+    # is the hull of the grid points accepted around it, each end placed by bisection.
+    point_u = float(np.interp(np.log(k * (1 - point / 100)), logk, np.arange(len(ks))))
+    grid = np.union1d(np.linspace(0.0, len(ks) - 1.0, SAVED_GRID * (len(ks) - 1) + 1), [point_u])
+    ok = accepted(grid) | (grid == point_u)
+    first, last = grid[ok].min(), grid[ok].max()
+    ends = []
+    for a, beyond in ((first, grid[grid < first]), (last, grid[grid > last])):
+        if len(beyond) == 0:
+            ends.append(a)  # accepted up to the end of the measured k
+            continue
+        b = beyond.max() if a == first else beyond.min()  # the next grid point out: rejected
+        for _ in range(SAVED_BISECTIONS):  # a accepted, b rejected
+            mid = (a + b) / 2
+            a, b = (mid, b) if accepted(np.array([mid]))[0] else (a, mid)
+        ends.append(a)
+    high, low = (float(v) for v in saving(np.array(ends)))
+    low, high = min(low, point), max(high, point)
+    return SamplesSaved(k=k, target=float(base.mean()), value=point, low=max(0.0, low), high=high)

@@ -4,9 +4,12 @@ Per sampler, over problems: the samples spent to K correct (capped: a problem no
 solved within the cap counts the cap — the mean of this is Σ_{j<N} (1 − pass@j) of
 the sampler's design for K = 1), its mean and median over the problems every sampler
 solved, the solve rate at every budget B (the design's pass@B for K = 1), and the
-ratio of each sampler's figures to i.i.d.'s. Intervals are BCa bootstraps over
-problems (:func:`qmc_sampler.eval.passk.bca_interval`); ratios, paired by problem,
-take Fieller's interval (:func:`qmc_sampler.eval.passk.fieller_ratio`).
+ratio of each sampler's figures to i.i.d.'s. Intervals are over problems: a mean and a solve rate
+take the interval for a mean of bounded values (each problem's samples to K lie in [K, cap], its
+solve rate in [0, 1]: :func:`qmc_sampler.eval.passk.bounded_mean_interval`), which keeps its width
+where every problem is solved at once or none within B; the median takes the order-statistic
+interval (:func:`qmc_sampler.eval.passk.median_interval`), and ratios, paired by problem,
+Fieller's (:func:`qmc_sampler.eval.passk.fieller_ratio`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from qmc_sampler.eval.passk import bca_interval, fieller_ratio
+from qmc_sampler.eval.passk import bounded_mean_interval, fieller_ratio, median_interval
 from qmc_sampler.eval.samples import SampleFileError
 from qmc_sampler.eval.sequential import load_until
 
@@ -47,14 +50,6 @@ class UntilReport:
 def is_until(records: list[dict[str, Any]]) -> bool:
     """Whether a samples file holds a sequential run (its records carry ``want``)."""
     return any("want" in r for r in records)
-
-
-def _mean(x: np.ndarray) -> np.ndarray:
-    return x.mean(axis=1)
-
-
-def _median(x: np.ndarray) -> np.ndarray:
-    return np.median(x, axis=1)
 
 
 def summarize_until(records: list[dict[str, Any]], resamples: int = 2000) -> list[UntilReport]:
@@ -99,15 +94,15 @@ def summarize_until(records: list[dict[str, Any]], resamples: int = 2000) -> lis
         rate = {}
         for b in budgets:
             hit = np.array([np.mean([f is not None and f <= b for f in fs]) for fs in firsts])
-            rate[b] = bca_interval(_mean, [hit], resamples=resamples)
+            rate[b] = bounded_mean_interval(hit, resamples=resamples)
         baseline = s != "iid" and "iid" in per
         reports.append(
             UntilReport(
                 sampler=s, want=want, cap=cap, round_size=round_size, problems=len(problems),
                 solved=sum(solved(s, p) for p in problems), both=len(both),
-                spent_capped=bca_interval(_mean, [capped[s]], resamples=resamples),
-                mean_to_want=_or_nan(_mean, [solved_to[s]], resamples),
-                median_to_want=_or_nan(_median, [solved_to[s]], resamples),
+                spent_capped=bounded_mean_interval(capped[s], lo=want, hi=cap, resamples=resamples),
+                mean_to_want=_or_nan(solved_to[s], want, cap, resamples),
+                median_to_want=median_interval(solved_to[s]) if both else (float("nan"),) * 3,
                 generated=float(np.mean([np.mean([g for _, g in per[s][p]]) for p in problems])),
                 solve_rate=rate,
                 ratio_capped=fieller_ratio(capped[s], capped["iid"]) if baseline else None,
@@ -117,10 +112,10 @@ def summarize_until(records: list[dict[str, Any]], resamples: int = 2000) -> lis
     return reports
 
 
-def _or_nan(statistic: Any, columns: list[np.ndarray], resamples: int) -> Interval:
-    if len(columns[0]) == 0:
+def _or_nan(values: np.ndarray, want: int, cap: int, resamples: int) -> Interval:
+    if len(values) == 0:
         return float("nan"), float("nan"), float("nan")
-    return bca_interval(statistic, columns, resamples=resamples)
+    return bounded_mean_interval(values, lo=want, hi=cap, resamples=resamples)
 
 
 def _fmt(v: Interval, digits: int = 2) -> str:
@@ -133,7 +128,8 @@ def format_until(reports: list[UntilReport]) -> str:
     k = r0.want
     head = (
         f"samples to {k} correct (cap {r0.cap}, rounds of {r0.round_size}); {r0.problems} problems, "
-        f"{r0.both} solved by every sampler; 95% BCa intervals over problems"
+        f"{r0.both} solved by every sampler; 95% intervals over problems (means: bounded-mean bootstrap, "
+        "medians: order statistics, ratios: Fieller)"
     )
     lines = [head, ""]
     lines.append(f"{'sampler':>12}  {'solved':>7}  {'mean, all (unsolved = cap)':>26}  "

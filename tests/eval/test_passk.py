@@ -22,8 +22,10 @@ import pytest
 from qmc_sampler.eval.passk import (
     bootstrap_pass_at_k,
     bootstrap_samples_saved,
+    bounded_mean_interval,
     classical_pass_at_k,
     fieller_ratio,
+    median_interval,
     pass_at_k,
     per_group_pass_at_k,
     samples_saved,
@@ -193,20 +195,74 @@ def test_samples_saved_needs_a_target_above_zero_and_a_real_crossing():
     assert samples_saved({1: 0.5, 2: 0.5, 4: 0.5}, 0.5, 4) is None  # at the target already at k = 1
 
 
-def test_samples_saved_carries_a_bootstrap_interval():
+def test_samples_saved_carries_an_interval_that_says_what_the_problems_cannot_tell():
     rng = np.random.default_rng(0)
     problems = 40
     iid = [np.array([rng.random() < 0.5]).astype(float) for _ in range(problems)]
     method = [{1: np.array([0.2]), 2: np.array([0.45]), 4: np.array([float(rng.random() < 0.9)])} for _ in iid]
     figure = bootstrap_samples_saved(method, iid, 4, resamples=500)
-    assert figure is not None and figure.low <= figure.value <= figure.high
-    assert figure.resamples == 500 and 0 <= figure.no_crossing < 500
-    # A noisy method that often shows no saving: those replicates are counted, not read as 0 %.
+    assert figure is not None and 0 < figure.low <= figure.value <= figure.high < 75, figure
+    # A noisy method whose crossing the problems cannot place: "no saving" is not ruled out.
     coin = [{1: np.array([0.3]), 2: np.array([0.5]), 4: np.array([float(rng.random() < 0.55)])} for _ in iid]
     noisy = bootstrap_samples_saved(coin, iid, 4, resamples=500)
-    assert noisy is not None and noisy.no_crossing > 0 and noisy.low > 0, noisy
+    assert noisy is not None and noisy.low == 0 < noisy.value <= noisy.high, noisy
     nothing = [{1: np.zeros(1), 2: np.zeros(1), 4: np.zeros(1)} for _ in range(4)]
     assert bootstrap_samples_saved(nothing, [np.zeros(1)] * 4, 4, resamples=100) is None
+
+
+def test_samples_saved_of_curves_that_tie_at_one_is_not_a_point():
+    """Issue 48: every problem solved by both at k ≥ 2 put every resample's crossing at k = 2 (50 %
+    fewer than 4, a zero-width interval); the curves tie from k = 2 on, so any saving from 0 % (k = 4)
+    to 50 % fits the data, and what lies between k = 1 and 2 is bounded by the problems at k = 1."""
+    rng = np.random.default_rng(1)
+    method = [{1: np.array([rng.uniform(0.6, 1.0)]), 2: np.ones(1), 4: np.ones(1)} for _ in range(48)]
+    figure = bootstrap_samples_saved(method, [np.ones(1)] * 48, 4, resamples=1000)
+    assert figure is not None and figure.value == pytest.approx(50.0)
+    assert figure.low == 0.0 and 50.0 < figure.high < 75.0, figure
+
+
+def test_values_at_the_bounds_get_the_exact_binomial_interval():
+    """Issue 48: 48 of 48 problems solved gave [1, 1]. Values all at the bounds are a binomial count and
+    get Clopper–Pearson's interval: (α/2)^(1/P) is its lower bound at P of P (Clopper & Pearson 1934)."""
+    assert bounded_mean_interval(np.ones(48)) == (1.0, pytest.approx(0.025 ** (1 / 48)), 1.0)
+    assert bounded_mean_interval(np.zeros(48)) == (0.0, 0.0, pytest.approx(1 - 0.025 ** (1 / 48)))
+    assert 0.025 ** (1 / 48) == pytest.approx(0.9260, abs=1e-4)
+    for s_, p in ((46, 48), (40, 48), (3, 10)):
+        _, low, high = bounded_mean_interval(np.r_[np.ones(s_), np.zeros(p - s_)])
+        exact = stats.beta.ppf(0.025, s_, p - s_ + 1), stats.beta.ppf(0.975, s_ + 1, p - s_)
+        assert (low, high) == pytest.approx(exact)
+    assert bootstrap_pass_at_k([np.ones(3)] * 48, 4).low == pytest.approx(0.9260, abs=1e-4)
+
+
+def test_values_between_the_bounds_get_the_bootstrap_with_half_an_unseen_problem():
+    """Every value c: the Bayesian bootstrap's weighted mean is c, and the atom of weight ½ at the far bound
+    makes the lower bound c·Beta(P, ½) and the upper c + (1 − c)·Beta(½, P) (quantiles 0.025, 0.975).
+    Monte Carlo with 40,000 draws: a quantile's standard error is below 0.001, so 0.004 is four of them."""
+    value, low, high = bounded_mean_interval(np.full(48, 0.5), resamples=40_000, seed=3)
+    assert value == 0.5
+    assert low == pytest.approx(0.5 * stats.beta.ppf(0.025, 48, 0.5), abs=0.004)
+    assert high == pytest.approx(0.5 + 0.5 * stats.beta.ppf(0.975, 0.5, 48), abs=0.004)
+    # Near a bound the exact bound of the values rounded away from it is the wider: 47 solved and one
+    # nearly, rounded up, is 48 of 48, so the lower bound is Clopper–Pearson's, not tighter than it.
+    assert bounded_mean_interval(np.r_[np.ones(47), 0.9])[1] == pytest.approx(0.025 ** (1 / 48))
+
+
+def test_the_bounded_mean_interval_rescales_its_bounds_and_refuses_values_outside():
+    ones = np.ones(48)  # every problem solved at its first sample, cap 32: the count at the lower bound
+    assert bounded_mean_interval(ones, lo=1, hi=32) == (1.0, 1.0, pytest.approx(1 + 31 * (1 - 0.025 ** (1 / 48))))
+    assert np.isnan(bounded_mean_interval([0.3])[1:]).all()  # one problem: no interval
+    with pytest.raises(ValueError, match=r"values must lie in \[lo, hi\] = \[0.0, 1.0\]; got \[0.0, 2.0\]"):
+        bounded_mean_interval([0.0, 2.0])
+    with pytest.raises(ValueError, match="non-empty array of finite numbers"):
+        bounded_mean_interval([0.5, float("nan")])
+
+
+def test_the_median_interval_is_the_order_statistics_of_the_binomial_ranks():
+    # n = 48: ranks 17 and 32 (P(Bin(48, ½) ≤ 16) = 0.0147 ≤ 0.025 < P(≤ 17) = 0.0297).
+    assert median_interval(np.arange(1.0, 49.0)) == (24.5, 17.0, 32.0)
+    assert np.isnan(median_interval(np.arange(5.0))[1:]).all()  # 5 values cannot make a 95% interval
+    assert median_interval(np.arange(6.0))[1:] == (0.0, 5.0)  # 6: the extremes, 1 − 2/64 = 0.969
+    assert median_interval(np.ones(30)) == (1.0, 1.0, 1.0)  # a median every problem shares is known
 
 
 def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
