@@ -1,19 +1,26 @@
-"""The quick form of ``benchmarks/ci_coverage.py``: qmc-eval's 95% intervals cover at their rate.
+"""Quick forms of ``benchmarks/ci_coverage.py``: qmc-eval's 95% intervals cover at their rate on hard,
+mixed and easy tasks (issue 48).
 
-400 simulated evaluations of 48 problems (p ~ Beta(0.6, 1.4), one group of 32 per problem
-and sampler, exact population values): the intervals for pass@1/4/16 of i.i.d. and lattice
-groups, for the mean samples to the first correct member, and for the ratio lattice / i.i.d.
-must each cover between 0.92 and 0.98 of the time (standard error 0.011 per figure: this
-catches an interval that covers 0.92 or less). The figure the old intervals missed, lattice
-pass@16, gets 3000 replications (standard error 0.004) and must cover 0.935–0.975: the plain
-percentile bootstrap's 0.927 fails there, the BCa interval's 0.956 passes with 5 standard
-errors to spare either side. Fixed seeds; the benchmark's 2000 replications of every figure
-are in docs/evaluation.md.
+Simulated evaluations of 48 problems, one group of 32 per problem and sampler, whose population values
+are known (the benchmark's docstring); every interval is the one the reports print, with 500 Monte
+Carlo draws. Fixed seeds. A coverage measured over R replications has standard error
+sqrt(0.95·0.05/R) around 0.95:
+
+* hard tasks, p ~ Beta(0.6, 1.4): pass@1/4/16 of i.i.d. and lattice groups cover 0.93–0.97 of 1000
+  replications (the issue's bar: ±2.9 standard errors of 0.0069);
+* easy tasks, p ~ Beta(4, 0.5): the same figures cover at least 0.93 of 400 (the issue's case: BCa
+  covered lattice pass@4 0.035 of the time and pass@16 never);
+* every figure the reports print, on mixed and easy tasks, covers at least 0.85 of 50 replications
+  (3.2 standard errors of 0.031 below 0.95): it catches a collapse such as BCa's at large k, or the
+  percentile samples-saved interval's (0.003 at k = 32 on easy tasks, 0.69 on mixed ones).
+
+The benchmark's full run, every figure on the three populations, is in docs/evaluation.md.
 """
 
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 _path = Path(__file__).parents[2] / "benchmarks" / "ci_coverage.py"
@@ -21,29 +28,60 @@ _spec = importlib.util.spec_from_file_location("ci_coverage", _path)
 ci_coverage = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ci_coverage)
 
-
-def test_the_intervals_cover_at_their_nominal_rate():
-    coverage = ci_coverage.coverage(reps=400, problems=48, resamples=400, seed=1)
-    assert set(coverage) == set(ci_coverage.truth())
-    off = {name: c for name, c in coverage.items() if not 0.92 <= c <= 0.98}
-    assert not off, f"coverage outside [0.92, 0.98]: {off}"
+PASS_AT = tuple(f"{d} pass@{k}" for d in ("iid", "lattice") for k in (1, 4, 16))
 
 
-def test_lattice_pass_at_16_is_no_longer_under_covered():
-    (covered,) = ci_coverage.coverage(reps=3000, problems=48, resamples=400, seed=2, only=("lattice pass@16",)).values()
-    assert 0.935 <= covered <= 0.975, covered
+def test_pass_at_k_covers_at_its_rate_on_hard_tasks():
+    coverage = ci_coverage.coverage(reps=1000, problems=48, resamples=500, seed=1, population="hard", only=PASS_AT)
+    off = {name: c for name, (c, _) in coverage.items() if not 0.93 <= c <= 0.97}
+    assert not off, f"coverage outside [0.93, 0.97]: {off}"
+
+
+def test_pass_at_k_covers_on_easy_tasks():
+    coverage = ci_coverage.coverage(reps=400, problems=48, resamples=500, seed=2, population="easy", only=PASS_AT)
+    low = {name: c for name, (c, _) in coverage.items() if c < 0.93}
+    assert not low, f"coverage below 0.93: {low}"
+
+
+@pytest.mark.parametrize("population", ["mixed", "easy"])
+def test_every_printed_interval_covers_on_mixed_and_easy_tasks(population):
+    coverage = ci_coverage.coverage(reps=50, problems=48, resamples=500, seed=3, population=population)
+    assert set(coverage) == set(ci_coverage.truth(population))
+    low = {name: c for name, (c, printed) in coverage.items() if c < 0.85}
+    assert not low, f"{population}: coverage below 0.85 of 50: {low}"
+    assert all(printed >= 40 for _, printed in coverage.values()), coverage  # figures are printed, not skipped
 
 
 def test_the_population_values_agree_with_quadrature():
-    from scipy import integrate, stats
-
-    truth = ci_coverage.truth()
-
-    def expect(f):
-        return integrate.quad(lambda p: f(p) * stats.beta.pdf(p, 0.6, 1.4), 0, 1, limit=200, points=[1 / 16])[0]
+    """The benchmark integrates over p by the midpoint rule on Beta quantiles; here by adaptive quadrature
+    (closed forms) and by Gauss–Jacobi quadrature, whose weight is the Beta density itself."""
+    from qmc_sampler.eval.passk import samples_saved
+    from scipy import integrate, special, stats
 
     for p in (0.01, 0.2, 0.3, 0.7):  # a prefix of 2^m radical-inverse members is a shifted lattice
         assert ci_coverage.arc_union(4, p) == pytest.approx(min(1.0, 4 * p))
-    assert truth["lattice pass@16"] == pytest.approx(expect(lambda p: min(1.0, 16 * p)), abs=1e-7)
-    assert truth["iid pass@4"] == pytest.approx(expect(lambda p: 1 - (1 - p) ** 4), abs=1e-7)
-    assert ci_coverage.lattice_pass(5) == pytest.approx(expect(lambda p: ci_coverage.arc_union(5, p)), abs=1e-6)
+    for population, (a, b) in ci_coverage.POPULATIONS.items():
+        truth = ci_coverage.truth(population)
+
+        def shortfall(f, a=a, b=b):  # E[1 − f(p)], to 1e-14: an easy task's pass@16 is short of 1 by 8.5e-7
+            integrand = lambda p: (1 - f(p)) * stats.beta.pdf(p, a, b)  # noqa: E731
+            return integrate.quad(integrand, 0, 1, limit=400, points=[1 / 16], epsabs=1e-14, epsrel=1e-10)[0]
+
+        assert 1 - truth["lattice pass@16"] == pytest.approx(shortfall(lambda p: min(1.0, 16 * p)), rel=1e-4)
+        assert 1 - truth["iid pass@4"] == pytest.approx(shortfall(lambda p: 1 - (1 - p) ** 4), rel=1e-4)
+        x, w = special.roots_jacobi(1500, b - 1, a - 1)  # ∫ g(p) p^(a-1) (1-p)^(b-1) dp with p = (1 + x)/2
+        nodes, w = (1 + x) / 2, w / w.sum()
+        lattice = np.array([ci_coverage.arc_union(j, nodes) for j in range(33)])  # [j, node]: solved within j
+        iid_solves = 1 - (1 - nodes) ** 32
+        # Samples to the first correct member, capped at 32: Σ_{j<32} P(none of the first j is correct).
+        assert truth["lattice samples to correct"] == pytest.approx(sum(1 - lattice[:32] @ w), abs=1e-4)
+        # On the problems both samplers solve: E[T·1{lattice solves}·P(i.i.d. solves)] / P(both solve).
+        first = np.diff(lattice, axis=0) @ (w * iid_solves)  # P(T = j, both solve), j = 1..32
+        both = lattice[32] @ (w * iid_solves)
+        assert truth["lattice samples to correct, both solved"] == pytest.approx(
+            (np.arange(1, 33) @ first) / both, abs=1e-4
+        )
+        assert truth["lattice median to correct, both solved"] == 1 + int(np.argmax(np.cumsum(first) / both >= 0.5))
+        curve = {k: truth[f"lattice pass@{k}"] for k in ci_coverage.KS}
+        assert truth["samples saved @4"] == pytest.approx(samples_saved(curve, truth["iid pass@4"], 4))
+    assert ci_coverage.truth("hard")["lattice samples to correct"] == pytest.approx(7.3075, abs=1e-4)  # as before
