@@ -23,10 +23,12 @@ an interval edge of the reference CDF; ``tests/core/test_kernels.py`` checks it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -35,7 +37,7 @@ import torch
 from qmc_sampler.inverse_cdf import Draw, inverse_cdf, reject_bad_rows
 from qmc_sampler.processing import process_logits
 
-__all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "draw_by_order", "fused_draw", "upload"]
+__all__ = ["BACKENDS", "EDGE_TOLERANCE", "backend_for", "draw_by_order", "fused_draw", "pure_torch", "upload"]
 
 BACKENDS = ("cpp", "triton", "torch")
 #: How far (in CDF units) u may lie from a reference interval edge for the
@@ -63,16 +65,37 @@ def _cpp_kernel():  # -> module | None, with the reason logged/warned once
     return _C
 
 
+@contextlib.contextmanager
+def pure_torch() -> Iterator[None]:
+    """Draw on the pure-torch path inside this block, in this thread or task only (a context variable:
+    the environment is the process's, and an engine's other threads must not see the switch).
+
+    The plugin draws a step again this way when a fused backend fails (exact too: the same
+    distribution and inverse CDF; ``qmc_sampler.processing`` and ``qmc_sampler.inverse_cdf``).
+    """
+    token = _OVERRIDE.set("torch")
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("qmc_sampler_backend", default=None)
+
+
 def backend_for(device: torch.device) -> str:
     """The backend used for logits on ``device`` (see module docstring).
 
     Decided once per device type and setting of ``QMC_SAMPLER_BACKEND`` and
     ``TRITON_INTERPRET`` (this runs in every decoding step; probing Triton and CUDA
-    costs tens of microseconds).
+    costs tens of microseconds); inside :func:`pure_torch`, ``"torch"``.
 
     Raises:
         ValueError: ``QMC_SAMPLER_BACKEND`` names an unknown or unavailable backend.
     """
+    override = _OVERRIDE.get()
+    if override is not None:
+        return override
     forced = os.environ.get("QMC_SAMPLER_BACKEND", "").strip()
     # Only a choice that may involve Triton depends on TRITON_INTERPRET (read by triton_available).
     involves_triton = device.type != "cpu" or forced == "triton"

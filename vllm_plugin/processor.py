@@ -29,7 +29,6 @@ import logging
 import os
 import traceback
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,8 +67,8 @@ _said: set[str] = set()
 #: Steps in a row whose draw fails before the processor stops using what fails: the fused backend
 #: (the pure-torch path draws from then on), or every backend (it stops drawing; designs are refused).
 FAILURES_IN_A_ROW = 3
-#: ``qmc_sampler.kernels`` reads this at every draw (``backend_for``); the processor sets it to
-#: ``torch`` around its own draw only, which is how kernels lets one caller use the pure-torch path.
+#: The variable that forces ``qmc_sampler.kernels``' backend process-wide (the processor's own fallback
+#: is ``kernels.pure_torch``, for its draw alone).
 _BACKEND_ENV = "QMC_SAMPLER_BACKEND"
 
 
@@ -265,7 +264,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         if health.backend is None:
             health.backend = _backend_of(rows.device)
         if health.fallback is not None or health.backend == "torch":
-            with _pure_torch() if health.fallback is not None else contextlib.nullcontext():
+            with kernels.pure_torch() if health.fallback is not None else contextlib.nullcontext():
                 result = draw()
         else:
             try:
@@ -277,7 +276,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
                 self._fused_failed(e)
                 # The draw raised inside the kernels, after the carry and before anything was written
                 # to the pool: drawing again is the same draw, on an exact backend.
-                with _pure_torch():
+                with kernels.pure_torch():
                     result = draw()
         health.all_in_a_row = 0
         health.drawn += len(members)
@@ -465,21 +464,6 @@ def _backend_of(device: torch.device) -> str:
         return kernels.backend_for(device)
     except ValueError:  # QMC_SAMPLER_BACKEND names an unavailable backend: each draw raises inside kernels
         return os.environ.get(_BACKEND_ENV, "").strip() or "unknown"
-
-
-@contextlib.contextmanager
-def _pure_torch() -> Iterator[None]:
-    """Draw on the pure-torch path inside this block (see :data:`_BACKEND_ENV`; a worker's step runs
-    in one thread, and another thread's draw that sees it is exact too)."""
-    held = os.environ.get(_BACKEND_ENV)
-    os.environ[_BACKEND_ENV] = "torch"
-    try:
-        yield
-    finally:
-        if held is None:
-            os.environ.pop(_BACKEND_ENV, None)
-        else:
-            os.environ[_BACKEND_ENV] = held
 
 
 def _raised_in_kernels(error: BaseException) -> bool:

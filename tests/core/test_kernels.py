@@ -218,3 +218,20 @@ def test_the_kernel_is_used_only_under_the_torch_it_was_built_against(monkeypatc
         monkeypatch.undo()
         kernels._cpp_kernel.cache_clear()
     assert kernels._cpp_kernel() is _C
+
+
+@cpp
+def test_pure_torch_switches_this_thread_only():
+    # The plugin draws a step again on the pure-torch path when a fused backend fails; the engine's
+    # other threads (and the environment) keep their backend.
+    import threading
+
+    from qmc_sampler import kernels
+
+    seen = []
+    with kernels.pure_torch():
+        other = threading.Thread(target=lambda: seen.append(backend_for(torch.device("cpu"))))
+        other.start()
+        other.join()
+        assert backend_for(torch.device("cpu")) == "torch"
+    assert seen == ["cpp"] and backend_for(torch.device("cpu")) == "cpp"
