@@ -230,9 +230,12 @@ async def _require(
     try:
         for engine in range(len(stats)):
             await draw(engine)
-    except ValueError:
-        # Admission refuses designs in this engine (a processed logprobs mode it cannot keep correct):
+    except ValueError as e:
+        # Admission refuses designs in this engine for a processed logprobs mode it cannot keep correct:
         # every designed request is refused alike, so nothing will be drawn, or served under a design's name.
+        # Any other refusal of the drawn request is the check's failure.
+        if "cannot keep correct for designed requests" not in str(e):
+            raise RuntimeError(f"this vLLM engine refused the start-up check's designed request: {e}") from None
         return stats[0][0]
     after = await _ask(workers)
     _check_draws(stats, after)
@@ -261,7 +264,8 @@ def _folder(create: bool = False) -> Path | None:
         info = path.lstat()
     except OSError:
         return None
-    if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):  # (lstat: a link is not a folder)
+    # (lstat: a link is not a folder; a folder others may write to is not a private record)
+    if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode) or info.st_mode & 0o077:
         if not _said_folder:
             _said_folder.append(str(path))
             logger.error("qmc-sampler: %s is not this user's own folder; failed draws are not told to other "
@@ -307,7 +311,7 @@ def record_broken_draws(reason: str) -> Callable[[], None]:
     if folder is None:
         return lambda: None
     path = folder / f"{_BROKEN}{os.getpid()}"
-    record = {"reason": reason, "above": _ancestors()}
+    record = {"reason": reason[:_REASON_CHARS], "above": _ancestors()}
     try:
         part = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
         part.write_text(json.dumps(record))
@@ -359,6 +363,8 @@ def broken_below() -> str | None:
 
 
 _cache: dict[str, Any] = {"mtime": None, "read_at": 0, "records": {}}
+#: A reason as records, 400s and /stats carry it (the log holds the whole error).
+_REASON_CHARS = 240
 #: A folder's mtime moves in the kernel's clock ticks: changes within one tick of a read may not move
 #: it again, so a read that close to the last change is not trusted for later calls (nanoseconds).
 _RACY_NS = 1_000_000_000
@@ -378,9 +384,13 @@ def _broken_records() -> dict[int, dict[str, Any]]:
         records: dict[int, dict[str, Any]] = {}
         for path in folder.glob(f"{_BROKEN}*"):
             try:
-                records[int(path.name[len(_BROKEN) :])] = json.loads(path.read_text())
+                pid, record = int(path.name[len(_BROKEN) :]), json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
+            # Another release's or a damaged record: never an error in every admission that reads it.
+            if 0 < pid < 2**22 and isinstance(record, dict) and isinstance(record.get("reason"), str):
+                records[pid] = {"reason": record["reason"][:_REASON_CHARS],
+                                "above": [a for a in record.get("above") or () if isinstance(a, int)]}
         _cache.update(mtime=mtime, read_at=read_at, records=records)
     return {pid: r for pid, r in _cache["records"].items() if _alive(pid)}
 
@@ -404,7 +414,9 @@ def _ancestors() -> list[int]:
             pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
         except (OSError, StopIteration, ValueError):
             return found or [os.getppid()]
-        if pid <= 1:
+        if pid < 1:
             break
-        found.append(pid)
+        found.append(pid)  # pid 1 too: in a container the front end is often the entrypoint
+        if pid == 1:
+            break
     return found

@@ -46,7 +46,10 @@ def admit_params(
 def row_sampling(params: Any) -> RowSampling:
     """A ``SamplingParams``' temperature, top-k (vLLM's -1 or None: off, 0), top-p and min-p."""
     top_k = params.top_k if params.top_k and params.top_k > 0 else 0
-    return RowSampling(float(params.temperature), int(top_k), float(params.top_p), float(params.min_p))
+    # vLLM takes any top_k >= -1 and clamps it to the vocabulary; beyond 2**31 it keeps every token alike,
+    # and an int64 batch tensor of a 70-bit one would fail every step of the batch it is in.
+    return RowSampling(float(params.temperature), min(int(top_k), 2**31 - 1), float(params.top_p),
+                       float(params.min_p))  # fmt: skip
 
 
 class V1Rows:

@@ -156,7 +156,12 @@ def _while_drawing(facts: Any) -> Any:
     changed (:func:`qmc_sampler.vllm_engine.checks.broken_below`)."""
     if facts.inactive is not None:
         return facts
-    broken = checks.broken_below()
+    try:
+        broken = checks.broken_below()
+    except Exception:  # the record's folder cannot be read: admission goes on, said once
+        _said_exception("records", "qmc-sampler: cannot read the workers' draw records; admission goes on "
+                        "without them (the workers' stats still count failed draws)")  # fmt: skip
+        return facts
     if broken is None:
         return facts
     return dataclasses.replace(facts, inactive=f"it stopped drawing: {broken}",
@@ -276,6 +281,12 @@ def _only_our_entry_point(model_config: Any) -> bool:
 
 
 _said: set[str] = set()
+
+
+def _said_exception(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        logger.exception(message)
 
 
 def _say_once(key: str, message: str) -> None:

@@ -231,6 +231,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         self.health.step_failed = False
         if self.health.broken is not None:
             self._leave_undrawn(members, self.health.broken)
+            checks.record_failed_draw()  # a group in flight learns it (qmc-eval's check of its groups)
             return
         try:
             batch = self._batch_tensors(row_ids, members, logits, temperature_applied)
@@ -287,7 +288,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         health = self.health
         health.count_failure()
         health.fused_in_a_row += 1
-        health.error = f"{type(error).__name__}: {error}"
+        health.error = f"{type(error).__name__}: {error}"[:240]  # the log holds it whole
         backend = health.backend
         if backend not in health.traced:
             health.traced.add(backend)
@@ -309,7 +310,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
         health = self.health
         health.count_failure()
         health.all_in_a_row += 1
-        health.error = f"{type(error).__name__}: {error}"
+        health.error = f"{type(error).__name__}: {error}"[:240]  # the log holds it whole
         if "every backend" not in health.traced:
             health.traced.add("every backend")
             logger.error("qmc-sampler: the draw failed; this step's designed rows are sampled by vLLM itself "

@@ -148,3 +148,29 @@ def test_a_data_parallel_client_that_cannot_ask_each_engine_is_refused():
     with pytest.raises(RuntimeError, match=r"cannot ask each of its 2 data-parallel engines"):
         asyncio.run(require_plugin_async(engine))
     assert engine.asked == []  # collective_rpc would answer for the first engine only
+
+
+def test_damaged_or_foreign_draw_records_never_fail_an_admission(tmp_path, monkeypatch):
+    # vLLM's front end reads the records at every admission, designs or not: a record another release
+    # wrote, a damaged one or an absurd file name is passed over, never an exception in every request.
+    import json
+    import os
+    import tempfile
+
+    from qmc_sampler.vllm_engine import checks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(checks, "_cache", {"mtime": None, "read_at": 0, "records": {}})
+    folder = tmp_path / f"qmc-sampler-draws-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    me = os.getpid()
+    (folder / f"broken-{me}").write_text(json.dumps([1, 2]))
+    (folder / "broken-99999999999999999999").write_text(json.dumps({"reason": "x", "above": []}))
+    (folder / f"broken-{os.getppid()}").write_text(json.dumps({"reason": None, "above": [me]}))
+    assert checks.broken_below() is None
+    (folder / f"broken-{me}").write_text(json.dumps({"reason": "E" * 5000, "above": []}))
+    checks._cache["mtime"] = None
+    assert checks.broken_below() == f"worker pid {me}: {'E' * 240}"  # a bounded reason, in 400s and /stats
+    folder.chmod(0o777)  # a folder others may write to is no record of this user's
+    checks._cache["mtime"] = None
+    assert checks.broken_below() is None

@@ -5,6 +5,7 @@ to put decodes first) cannot happen in an engine on this machine; they are drive
 vLLM's real types.
 """
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed")
@@ -64,3 +65,13 @@ def test_a_removed_row_is_parked_and_a_new_request_takes_its_index(three_rows):
     rows.update(batch(3, removed=[1], added=[(1, params(3), PROMPT, [])]))
     assert row_members(rows) == {0: 0, 1: 3, 2: 2}
     assert registry.parked() == 1
+
+
+def test_a_70_bit_top_k_keeps_every_token_and_fits_the_batch_tensors():
+    # vLLM takes any top_k >= -1 (it clamps to the vocabulary itself); an int64 batch tensor of 2**70
+    # failed every step of the batch the request was in, every designed row of it left to vLLM.
+    from qmc_sampler.vllm_plugin.adapters import row_sampling
+
+    sampling = row_sampling(SamplingParams(temperature=1.0, top_k=2**70))
+    assert sampling.top_k == 2**31 - 1
+    np.array([sampling.top_k], dtype=np.int64)
