@@ -164,7 +164,7 @@ def _while_drawing(facts: Any) -> Any:
         return facts
     if broken is None:
         return facts
-    return dataclasses.replace(facts, inactive=f"it stopped drawing: {broken}",
+    return dataclasses.replace(facts, inactive=f"it stopped drawing: {broken}", refuse_drop_in=True,
                                remedy="restart the engine (its log holds the failed draw's traceback)")  # fmt: skip
 
 

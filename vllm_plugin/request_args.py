@@ -114,6 +114,9 @@ class EngineFacts:
     #: interface is not as the plugin needs it: compat.runner_problem), None where it can
     inactive: str | None = None
     remedy: str = "use a vLLM release of qmc-sampler's tested range (docs/serving.md, 'vLLM versions')"
+    #: the plugin stopped at run time (its draws failed): the drop-in's requests are refused too, not
+    #: served i.i.d. under an engine set up for designs (a configuration's limits only turn it off, said)
+    refuse_drop_in: bool = False
 
 
 _ENGINE: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar("qmc_engine_facts", default=None)
@@ -519,13 +522,14 @@ def _engine_can_serve(facts: EngineFacts, explicit_design: bool) -> bool:
     """False: the drop-in stays off for this engine (logged at its start). Raises for a request
     that asks for a design the engine cannot give it."""
     if facts.speculative or facts.inactive is not None:
-        if explicit_design:
+        if explicit_design or (facts.refuse_drop_in and not facts.speculative):
             why = ("runs speculative decoding, which does not run logits processors" if facts.speculative else
                    f"cannot run the qmc-sampler plugin ({facts.inactive})")  # fmt: skip
             fix = "serve without --speculative-config" if facts.speculative else facts.remedy
+            asked = "'qmc_method'" if explicit_design else f"the engine's {ENV_METHOD} design"
             raise ValueError(
                 f"vllm_xargs 'qmc_method': this engine {why}, so correlated sampling is unavailable; drop "
-                f"'qmc_method' or {fix}"
+                f"{asked} or {fix}"
             )
         return False
     from qmc_sampler.vllm_plugin import logprobs

@@ -153,6 +153,11 @@ def test_when_every_backend_fails_the_rows_go_to_vllm_counted_and_designs_are_re
     try:
         with pytest.raises(VLLMValidationError, match=r"qmc_method.*it stopped drawing: worker pid \d+: its draw"):
             front_end._validate_params(designed, ("generate",))
+        # The drop-in's requests too: not served i.i.d. by an engine set up for designs.
+        monkeypatch.setenv("QMC_SAMPLER", "lattice")
+        with pytest.raises(VLLMValidationError, match=r"drop the engine's QMC_SAMPLER design or restart"):
+            front_end._validate_params(SamplingParams(n=8, temperature=1.0, max_tokens=4), ("generate",))
+        monkeypatch.delenv("QMC_SAMPLER")
         front_end._validate_params(SamplingParams(temperature=0.0), ("generate",))  # greedy: served
     finally:
         del processor
