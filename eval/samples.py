@@ -37,12 +37,13 @@ def append_group(path: Path, records: Iterable[dict[str, Any]]) -> None:
         os.fsync(f.fileno())
 
 
-def read_samples(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
+def read_samples(path: Path, *, repair: bool = False, skip_torn: bool = False) -> list[dict[str, Any]]:
     """Read and check a samples file.
 
     Args:
         path: the JSONL file.
-        repair: drop a torn last line (an interrupted write) instead of failing.
+        repair: drop a torn last line (an interrupted write) from the file instead of failing.
+        skip_torn: pass over a torn last line, leaving the file as it is (to check whose file it is first).
 
     Raises:
         SampleFileError: ``"FILE:LINE: what is wrong"`` for the first bad line.
@@ -57,8 +58,9 @@ def read_samples(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if torn and repair:
-                _truncate_torn_line(path, len(line.encode("utf-8")))
+            if torn and (repair or skip_torn):
+                if repair:
+                    _truncate_torn_line(path, len(line.encode("utf-8")))
                 break
             raise SampleFileError(f"{path}:{number}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict):

@@ -445,7 +445,8 @@ def _read_back(
     expected = _as_json(settings)
     mode = settings["mode"]
     rounds: dict[tuple, dict[int, list[Member]]] = {}
-    for number, rec in enumerate(read_samples(out, repair=True), start=1):
+    # Another run's file is refused as it is: its torn last line, if any, is cut only once it is this run's.
+    for number, rec in enumerate(read_samples(out, skip_torn=True), start=1):
         differ = [_differs(name, rec, value) for name, value in expected.items() if rec.get(name, _MISSING) != value]
         key = by_key.get((str(rec["sampler"]), str(rec["problem"]), str(rec.get("group", 0))))
         if key is not None and not differ:
@@ -464,6 +465,7 @@ def _read_back(
             int(rec["round"]), int(rec["member"]), rec.get("text", ""), bool(rec["score"]), rec.get("finish_reason")
         )
         rounds.setdefault(key, {}).setdefault(m.round, []).append(m)
+    read_samples(out, repair=True)
     r, cap = settings["round_size"], settings["cap"]
     torn = set()  # an interrupted write can leave the first lines of a round: it is generated again
     for key, by_round in rounds.items():

@@ -168,3 +168,16 @@ def test_a_verifier_is_recorded_by_its_qualified_name():
         verifier_name(lambda p, t: True)
         == f"{here}.test_a_verifier_is_recorded_by_its_qualified_name.<locals>.<lambda>"
     )
+
+
+def test_another_runs_torn_file_is_refused_as_it_is(logits, tmp_path):
+    # Its torn last line may be that run's write in progress: refused first, cut only for its own run.
+    out = tmp_path / "until.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        sample_until(Interrupting(logits, 1), PROMPTS, verify, out=out, **SETTINGS)
+    written = out.read_text().splitlines()
+    out.write_text("\n".join(written[:-1]) + "\n" + written[-1][:10])
+    before = out.read_text()
+    with pytest.raises(ValueError, match=r"seed=0, not 7\)"):
+        sample_until(HostBackend(logits), PROMPTS, verify, out=out, seed=7, **SETTINGS)
+    assert out.read_text() == before
