@@ -17,7 +17,7 @@ and each printed interval is checked against the population value:
 * ``samples to correct``: the mean over all problems with an unsolved problem counted as the cap,
   Σ_{j<N} (1 − P(solved within j)); ``…, both solved``: its mean and median over the problems both
   samplers solve (conditional on that, from the distribution of the first correct member);
-* the ratios lattice / i.i.d. of those two means (Fieller);
+* the ratios lattice / i.i.d. of those two means (the bounded-mean test inverted on L − r·I);
 * ``samples saved @k``: how many fewer samples than k the lattice needs to reach i.i.d.'s pass@k,
   from the population curves (:func:`qmc_sampler.eval.passk.samples_saved`); its coverage counts the
   replications that print a figure (``printed``: how many did).
@@ -26,6 +26,7 @@ Population values are integrals over p on 2^16 Beta quantiles spaced to resolve 
 (:func:`quantile_grid`; tests/eval/test_ci_coverage.py checks them against closed forms and quadrature).
 
     python benchmarks/ci_coverage.py [--reps 1000] [--problems 48] [--resamples 1000] [--populations hard,mixed,easy]
+        [--figures ratio]
 """
 
 from __future__ import annotations
@@ -203,10 +204,16 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--populations", default="hard,mixed,easy", help="comma-separated: hard, mixed, easy")
+    parser.add_argument("--figures", default="", help="comma-separated prefixes of the figures to measure "
+                        "(e.g. 'ratio', 'lattice pass@'); default: every figure")  # fmt: skip
     args = parser.parse_args()
     names = args.populations.split(",")
+    prefixes = [f for f in args.figures.split(",") if f]
+    only = tuple(n for n in truth(names[0]) if any(n.startswith(f) for f in prefixes)) if prefixes else None
+    if prefixes and not only:
+        parser.error(f"--figures {args.figures!r} matches no figure; figures: {', '.join(truth(names[0]))}")
     start = time.perf_counter()
-    results = {pop: coverage(args.reps, args.problems, args.resamples, args.seed, pop) for pop in names}
+    results = {pop: coverage(args.reps, args.problems, args.resamples, args.seed, pop, only) for pop in names}
     se = (0.95 * 0.05 / args.reps) ** 0.5
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     print(f"CPU: {cpu or platform.processor()}; {args.reps} replications of {args.problems} problems, "

@@ -8,8 +8,9 @@ ratio of each sampler's figures to i.i.d.'s. Intervals are over problems: a mean
 take the interval for a mean of bounded values (each problem's samples to K lie in [K, cap], its
 solve rate in [0, 1]: :func:`qmc_sampler.eval.passk.bounded_mean_interval`), which keeps its width
 where every problem is solved at once or none within B; the median takes the order-statistic
-interval (:func:`qmc_sampler.eval.passk.median_interval`), and ratios, paired by problem,
-Fieller's (:func:`qmc_sampler.eval.passk.fieller_ratio`).
+interval (:func:`qmc_sampler.eval.passk.median_interval`), and a ratio of means, paired by problem,
+inverts the bounded-mean test on a − r·b (:func:`qmc_sampler.eval.passk.bounded_ratio_interval`,
+Fieller's idea with that test).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from qmc_sampler.eval.passk import bounded_mean_interval, fieller_ratio, median_interval
+from qmc_sampler.eval.passk import bounded_mean_interval, bounded_ratio_interval, median_interval
 from qmc_sampler.eval.samples import SampleFileError
 from qmc_sampler.eval.sequential import load_until
 
@@ -105,11 +106,15 @@ def summarize_until(records: list[dict[str, Any]], resamples: int = 2000) -> lis
                 median_to_want=median_interval(solved_to[s]) if both else (float("nan"),) * 3,
                 generated=float(np.mean([np.mean([g for _, g in per[s][p]]) for p in problems])),
                 solve_rate=rate,
-                ratio_capped=fieller_ratio(capped[s], capped["iid"]) if baseline else None,
-                ratio_mean=fieller_ratio(solved_to[s], solved_to["iid"]) if baseline else None,
+                ratio_capped=_ratio(capped[s], capped["iid"], want, cap, resamples) if baseline else None,
+                ratio_mean=_ratio(solved_to[s], solved_to["iid"], want, cap, resamples) if baseline else None,
             )
         )  # fmt: skip
     return reports
+
+
+def _ratio(a: np.ndarray, b: np.ndarray, want: int, cap: int, resamples: int) -> Interval:
+    return bounded_ratio_interval(a, b, lo=want, hi=cap, resamples=resamples)  # NaN where no problem
 
 
 def _or_nan(values: np.ndarray, want: int, cap: int, resamples: int) -> Interval:
@@ -129,7 +134,7 @@ def format_until(reports: list[UntilReport]) -> str:
     head = (
         f"samples to {k} correct (cap {r0.cap}, rounds of {r0.round_size}); {r0.problems} problems, "
         f"{r0.both} solved by every sampler; 95% intervals over problems (means: bounded-mean bootstrap, "
-        "medians: order statistics, ratios: Fieller)"
+        "medians: order statistics, ratios: bounded-mean test inverted)"
     )
     lines = [head, ""]
     lines.append(f"{'sampler':>12}  {'solved':>7}  {'mean, all (unsolved = cap)':>26}  "

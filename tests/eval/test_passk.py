@@ -23,6 +23,7 @@ from qmc_sampler.eval.passk import (
     bootstrap_pass_at_k,
     bootstrap_samples_saved,
     bounded_mean_interval,
+    bounded_ratio_interval,
     classical_pass_at_k,
     fieller_ratio,
     median_interval,
@@ -293,3 +294,37 @@ def test_fiellers_interval_is_the_quadratics_roots_and_nan_where_there_is_none()
         one = fieller_ratio([2.0], [4.0])
     assert one[0] == 0.5 and np.isnan(one[1:]).all()
     assert np.isnan(fieller_ratio(np.zeros(5), np.zeros(5))).all()  # mean(b) = 0: no ratio
+
+
+def test_the_ratio_interval_inverts_the_bounded_mean_test_on_a_minus_r_b():
+    """Each end r of the interval is where bounded_mean_interval of a − r·b, on [lo − r·hi, hi − r·lo],
+    has 0 at its edge: accepted at r, rejected just outside (Fieller's idea with a bounded-mean test)."""
+    rng = np.random.default_rng(4)
+    p = rng.beta(4.0, 0.5, 48)  # samples to the first correct member, capped at 32: mostly 1, a rare long tail
+    a, b = (np.minimum(rng.geometric(p), 32).astype(float) for _ in range(2))
+    value, low, high = bounded_ratio_interval(a, b, lo=1, hi=32, resamples=500)
+    assert value == pytest.approx(a.mean() / b.mean()) and 1 / 32 < low < value < high < 32
+
+    def test(r):
+        return bounded_mean_interval(a - r * b, lo=1 - 32 * r, hi=32 - r, resamples=500)
+
+    assert test(low)[1] <= 0 < test(low * (1 - 1e-6))[1]
+    assert test(high)[2] >= 0 > test(high * (1 + 1e-6))[2]
+    assert test(value)[1] <= 0 <= test(value)[2]  # mean(a − r·b) = 0 at the point estimate
+
+
+def test_the_ratio_interval_is_nan_without_problems_and_refuses_bounds_at_zero():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Mean of empty slice" where no problem is solved by both (a293917)
+        assert np.isnan(bounded_ratio_interval([], [], lo=1, hi=32)).all()
+        one = bounded_ratio_interval([2.0], [4.0], lo=1, hi=32)
+    assert one[0] == 0.5 and np.isnan(one[1:]).all()
+    assert np.isnan(bounded_ratio_interval([1.0, 2.0], [1.0], lo=1, hi=32)).all()  # not paired
+    value, low, high = bounded_ratio_interval(np.ones(48), np.ones(48), lo=1, hi=32)
+    assert value == 1.0 and low < 1 < high  # every problem at once by both: still an interval, not a point
+    with pytest.raises(ValueError, match="bounds 0 < lo <= hi"):
+        bounded_ratio_interval([1.0, 2.0], [1.0, 2.0], lo=0, hi=32)
+    with pytest.raises(ValueError, match=r"values must lie in \[lo, hi\] = \[1, 32\]"):
+        bounded_ratio_interval([1.0, 40.0], [1.0, 2.0], lo=1, hi=32)
