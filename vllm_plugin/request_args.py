@@ -24,7 +24,6 @@ import copy
 import functools
 import hashlib
 import hmac
-import inspect
 import itertools
 import json
 import logging
@@ -256,6 +255,18 @@ def mark_child(params: Any, index: int) -> Any:
     return child
 
 
+def _wrappable(touchpoint: str, warning: str) -> Any:
+    """vLLM's function at ``touchpoint`` (its signature as the table of
+    :mod:`qmc_sampler.vllm_engine.compat` expects), or None with ``warning`` (``%s``: why) logged."""
+    from qmc_sampler.vllm_engine import compat
+
+    try:
+        return compat.locate(touchpoint)
+    except compat.TouchpointError as e:
+        logger.warning("qmc-sampler: " + warning, e)
+        return None
+
+
 def install_child_marks() -> bool:
     """Wrap vLLM's ``ParentRequest.get_child_info`` (the front end's fan-out of an ``n > 1`` request,
     one call per child, in ``AsyncLLM`` and ``LLMEngine`` alike) with :func:`mark_child` (idempotent;
@@ -265,25 +276,12 @@ def install_child_marks() -> bool:
         True if the wrap is in place; False (logged) where this vLLM has no such method: children are
         then numbered in the engine that runs them (docs/serving.md, "Who is which member").
     """
-    try:
-        from vllm.v1.engine.parallel_sampling import ParentRequest
-
-        original = ParentRequest.get_child_info
-        names = list(inspect.signature(original).parameters)
-    except (ImportError, AttributeError, TypeError, ValueError) as e:
-        names, original, error = [], None, e
-    else:
-        error = None
-    if original is not None and getattr(original, "_qmc_wrapped", False):
-        return True
-    if original is None or names != ["self", "index"]:
-        logger.warning(
-            "qmc-sampler: cannot see vLLM's fan-out of n > 1 requests (%s); their children are numbered in the "
-            "engine that runs them, and under data parallelism a request whose children reach several engines "
-            "is drawn as one group per engine (distinct members)",
-            error or f"ParentRequest.get_child_info{names}",
-        )
-        return False
+    original = _wrappable("child_info", "cannot see vLLM's fan-out of n > 1 requests (%s); their children are "
+                          "numbered in the engine that runs them, and under data parallelism a request whose "
+                          "children reach several engines is drawn as one group per engine (distinct members)")
+    if original is None or getattr(original, "_qmc_wrapped", False):
+        return original is not None
+    from vllm.v1.engine.parallel_sampling import ParentRequest
 
     @functools.wraps(original)
     def get_child_info(self: Any, index: int) -> Any:
@@ -305,24 +303,11 @@ def install_prompt_marks() -> bool:
         prompts of one multi-prompt request then share their request's seed.
     """
     install_child_marks()
-    try:
-        from vllm.entrypoints.serve.engine.serving import BaseServing
-
-        original = BaseServing._log_inputs
-        names = list(inspect.signature(original).parameters)
-    except (ImportError, AttributeError, TypeError, ValueError) as e:
-        names, original, error = [], None, e
-    else:
-        error = None
-    if original is not None and getattr(original, "_qmc_wrapped", False):
-        return True
-    if original is None or names[:4] != ["self", "request_id", "inputs", "params"]:
-        logger.warning(
-            "qmc-sampler: cannot see the prompts of vLLM's multi-prompt requests (%s); identical prompts in "
-            "one request with a seed share their group seed",
-            error or f"BaseServing._log_inputs{names}",
-        )
-        return False
+    original = _wrappable("prompt_marks", "cannot see the prompts of vLLM's multi-prompt requests (%s); identical "
+                          "prompts in one request with a seed share their group seed")
+    if original is None or getattr(original, "_qmc_wrapped", False):
+        return original is not None
+    from vllm.entrypoints.serve.engine.serving import BaseServing
 
     @functools.wraps(original)
     def _log_inputs(self: Any, request_id: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
