@@ -219,6 +219,7 @@ class QMCLogitsProcessor(*_BASES):  # type: ignore[misc]
             "children_forgotten": groups.children_forgotten,
             "children_lost": groups.children_lost,
             "orphans": groups.orphans,
+            "children_unmarked": groups.children_unmarked,
             **self.health.stats(),
         }
 
@@ -426,8 +427,9 @@ def plugin_stats(worker: Any) -> dict[str, Any]:
         with fresh uniforms, ``unsampleable`` rows left to the engine (NaN or nothing
         admissible), ``overflow`` arrivals beyond a group's n, ``auto_*`` the
         auto-grouping counters, ``arrivals_forgotten``/``children_forgotten``/``children_lost``/``orphans``
-        the arrival counters forgotten and the members numbered apart (docs/serving.md, "Who is which
-        member"), ``admitted_by_design`` the members admitted by the design they draw
+        the arrival counters forgotten and the members numbered apart, ``children_unmarked`` children
+        numbered on a data-parallel rank without their place (docs/serving.md, "Who is which member"),
+        ``admitted_by_design`` the members admitted by the design they draw
         with, ``rows`` members in the batch now, ``parked`` members kept for
         resumption, ``parked_dropped``/``parked_evicted``/``parked_expired`` those dropped by the
         per-key bound, the global bound, or with their auto group; the draws (:class:`DrawHealth`):
