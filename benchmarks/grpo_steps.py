@@ -19,7 +19,8 @@ paired by seed. Only the rollouts' design differs:
 
 Defaults: the default model (SmolLM2-135M-Instruct) and ``make run``'s task,
 ``basic_arithmetic`` (its verifier is the 0/1 reward), sized for about an hour on an
-idle 2-core CPU (2 designs × 4 seeds × 24 steps; G = 8 rollouts of 8 prompts a step).
+idle 2-core CPU (2 designs × 3 seeds × 16 steps; G = 8 rollouts of 4 prompts a step,
+24 tokens; learning rate 1e-5, constant; 64 held-out problems evaluated every 4 steps).
 
 Pre-registered comparison (fixed before the first full run; not tuned on its result):
 
@@ -57,8 +58,8 @@ that was cut off has its partial lines dropped and reruns from its start (determ
 same seeds). A file written with other arguments is refused (exit 2).
 
     python benchmarks/grpo_steps.py [--model DIR] [--task basic_arithmetic] [--designs iid,lattice]
-        [--seeds 4] [--steps 24] [--generations 8] [--prompts 8] [--max-completion-length 24]
-        [--learning-rate 1e-5] [--heldout 96] [--eval-every 4] [--out runs/grpo_steps]
+        [--seeds 3] [--steps 16] [--generations 8] [--prompts 4] [--max-completion-length 24]
+        [--learning-rate 1e-5] [--heldout 64] [--eval-every 4] [--out runs/grpo_steps]
         [--use-vllm server|colocate] [--quick]
 """
 
@@ -102,14 +103,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, OneLineParse
     p.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--task", default="basic_arithmetic")
     p.add_argument("--designs", default="iid,lattice", help="comma-separated qmc_sampler.METHODS, iid among them")
-    p.add_argument("--seeds", type=int, default=4, help="training seeds 0 … N-1, one run per design each")
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps per run (one generation each)")
+    p.add_argument("--seeds", type=int, default=3, help="training seeds 0 … N-1, one run per design each")
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps per run (one generation each)")
     p.add_argument("--generations", type=int, default=8, help="G: rollouts per prompt (one group)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--max-completion-length", type=int, default=24)
     p.add_argument("--learning-rate", type=float, default=1e-5)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--heldout", type=int, default=96, help="held-out problems (greedy evaluation)")
+    p.add_argument("--heldout", type=int, default=64, help="held-out problems (greedy evaluation)")
     p.add_argument("--eval-every", type=int, default=4, help="held-out evaluation every k steps (and at the end)")
     p.add_argument("--data-seed", type=int, default=0, help="seeds the problems and the held-out split")
     p.add_argument("--out", default="runs/grpo_steps", help="folder for steps.jsonl and reward.png")
@@ -381,12 +382,13 @@ class Recorder:
         )
         return {"heldout_reward": value, "eval_s": round(time.perf_counter() - start, 3)}
 
-    def counters(self) -> dict[str, int] | None:
-        """patch_generate's cumulative counters (None where vLLM generates)."""
+    def counters(self) -> dict[str, Any] | None:
+        """patch_generate's design and cumulative counters (None where vLLM generates)."""
         if self.handle is None:
             return None
         stats = self.handle.generator.stats
-        return {k: getattr(stats, k) for k in ("calls", "groups", "members", "unsampleable", "copies_only_calls")}
+        names = ("calls", "groups", "members", "unsampleable", "copies_only_calls")
+        return {"method": self.handle.generator.method, **{k: getattr(stats, k) for k in names}}
 
     def report(self, r: dict[str, Any]) -> None:
         """One progress line; unsampleable rows and copies-only calls are named, never silent."""
