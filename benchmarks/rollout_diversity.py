@@ -22,7 +22,9 @@ and the ratio lattice / i.i.d. The CPU is named in the first line.
 
     python benchmarks/rollout_diversity.py [--backend vllm,hf] [--task basic_arithmetic] [--problems 32]
                                            [--groups 8,16] [--model DIR] [--dtype auto] [--temperature 1.0]
-                                           [--quick]
+                                           [--task-option KEY=VALUE ...] [--quick]
+
+Problems are distinct (repeats of a prompt are drawn past, never counted twice).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="generator setting, e.g. max_digits=2 (repeatable; as qmc-eval's)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="4 problems, G = 4, 8 tokens: checks that it runs")
     args = p.parse_args()
     backends = [b.strip() for b in args.backend.split(",")]
@@ -61,8 +65,13 @@ def main() -> None:
     from qmc_sampler.models import resolve_model
 
     sizes = [4] if args.quick else [int(g) for g in args.groups.split(",")]
-    task = get_task(args.task)
-    problems = task.problems(4 if args.quick else args.problems, args.seed)
+    from qmc_sampler.eval.cli import _task_option
+
+    try:
+        task = get_task(args.task, **dict(_task_option(text) for text in args.task_option))
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        p.error(f"--task-option: {e}")
+    problems = _distinct(task, 4 if args.quick else args.problems, args.seed, p)
     max_tokens = 8 if args.quick else task.max_tokens
     model = resolve_model(args.model)
     print(describe_cpu(), flush=True)
@@ -99,6 +108,20 @@ def _print_table(stats: dict[tuple[str, int], list[tuple[float, ...]]], sizes: l
         ratio = means["lattice"][:4] / np.maximum(means["iid"][:4], 1e-12)
         print(f"{g:>3}  {'ratio':>8}  {ratio[0]:8.2f}  {ratio[1]:7.2f}  {ratio[2]:16.2f}  {ratio[3]:8.2f}"
               "   (lattice / i.i.d.)")  # fmt: skip
+
+
+def _distinct(task, count: int, seed: int, p: argparse.ArgumentParser) -> list:
+    """``count`` problems with distinct prompts: a small task repeats prompts (basic_arithmetic
+    has about 240), and a repeat would count one problem twice in every share's standard error.
+
+    Raises (through ``p.error``, exit 2): the task gives fewer than ``count`` distinct prompts.
+    """
+    drawn = task.problems(3 * count, seed)  # (not far more: the one-shot example must stay outside the set)
+    unique = list({repr(pr.messages or pr.prompt): pr for pr in reversed(drawn)}.values())[::-1]
+    if len(unique) < count:
+        p.error(f"--problems {count}: {len(unique)} distinct problems in {len(drawn)} drawn from {task.name}; "
+                "ask for fewer, or more with --task-option (e.g. max_digits=2)")  # fmt: skip
+    return unique[:count]
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> str:
