@@ -48,6 +48,7 @@ beside the figures that take it.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -283,6 +284,7 @@ def bca_interval(
 BOUNDARY_WEIGHT = 0.5
 
 
+@functools.lru_cache(maxsize=4096)  # a ratio's bisections ask for the same few counts again and again
 def _clopper_pearson(successes: int, trials: int, level: float) -> tuple[float, float]:
     """The exact binomial interval (Clopper & Pearson 1934, Biometrika 26:404) of a rate, as Beta quantiles."""
     from scipy import stats
@@ -345,26 +347,57 @@ def bounded_mean_interval(
     if hi == lo:
         return value, value, value  # the support is one point: the mean is known
     z = np.clip((x - lo) / (hi - lo), 0.0, 1.0)
+    low, high = _bounded_ends(z, level, lambda: _DirichletSums(z[:, None], resamples, seed).scalar(0, 1.0))
+    low, high = lo + low * (hi - lo), lo + high * (hi - lo)
+    return value, max(lo, min(low, value)), min(hi, max(high, value))
+
+
+class _DirichletSums:
+    """The Monte Carlo draws of :func:`bounded_mean_interval`, kept as sums: for each of ``resamples``
+    Dirichlet(1, …, 1) weight vectors w over the P problems (unnormalised: standard exponentials),
+    w @ columns and sum(w), and the two boundary atoms' Gamma(½) weights. One seed gives one stream,
+    drawn in the same order whatever the columns, so a mean of any linear combination of the columns
+    sees the same weights as :func:`bounded_mean_interval` of that combination.
+
+    Args:
+        columns: ``[P, c]`` float64 per-problem values.
+        resamples: weight vectors; seed: the stream's seed.
+    """
+
+    def __init__(self, columns: NDArray[np.float64], resamples: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        p = columns.shape[0]
+        self.sums = np.empty((resamples, columns.shape[1]))  # [resamples, c]: w @ columns
+        self.total = np.empty(resamples)  # [resamples]: sum(w)
+        self.atom = np.empty((2, resamples))  # [2, resamples]: the atoms at lo and at hi
+        chunk = max(1, 4_000_000 // p)  # [chunk, P] weights at a time
+        for start in range(0, resamples, chunk):
+            stop = min(resamples, start + chunk)
+            w = rng.standard_exponential((stop - start, p))  # normalised below: Dirichlet(1, …, 1)
+            self.atom[:, start:stop] = rng.gamma(BOUNDARY_WEIGHT, size=(2, stop - start))
+            self.sums[start:stop] = w @ columns
+            self.total[start:stop] = w.sum(axis=1)
+
+    def scalar(self, column: int, scale: float, shift: float = 0.0) -> tuple[NDArray, NDArray, NDArray]:
+        """``(w @ z, sum(w), atoms)`` for z = (columns[:, column] − shift·1) / scale, from the kept sums."""
+        return (self.sums[:, column] - shift * self.total) / scale, self.total, self.atom
+
+
+def _bounded_ends(
+    z: NDArray[np.float64], level: float, draws: Callable[[], tuple[NDArray, NDArray, NDArray]]
+) -> tuple[float, float]:
+    """:func:`bounded_mean_interval`'s ends on values rescaled to [0, 1]: the Clopper–Pearson floor and,
+    unless every value is 0 or 1, the bootstrap quantiles with their atoms (``draws()``: w @ z, sum(w)
+    and the atoms' weights, asked for only then)."""
     cp_low, _ = _clopper_pearson(int(np.sum(z > 0)), len(z), level)  # rounded up: every value above lo at hi
     _, cp_high = _clopper_pearson(int(np.sum(z >= 1)), len(z), level)  # rounded down
     if np.all((z == 0) | (z == 1)):  # a binomial count: the exact interval, no Monte Carlo
-        low, high = cp_low, cp_high
-    else:
-        rng = np.random.default_rng(seed)
-        low_draws, high_draws = np.empty(resamples), np.empty(resamples)
-        chunk = max(1, 4_000_000 // len(z))  # [chunk, P] weights at a time
-        for start in range(0, resamples, chunk):
-            stop = min(resamples, start + chunk)
-            w = rng.standard_exponential((stop - start, len(z)))  # normalised: Dirichlet(1, …, 1)
-            atom = rng.gamma(BOUNDARY_WEIGHT, size=(2, stop - start))
-            core, total = w @ z, w.sum(axis=1)
-            low_draws[start:stop] = core / (total + atom[0])  # the atom at lo (0 after rescaling)
-            high_draws[start:stop] = (core + atom[1]) / (total + atom[1])  # the atom at hi
-        alpha = (1 - level) / 2
-        low = min(cp_low, float(np.quantile(low_draws, alpha)))
-        high = max(cp_high, float(np.quantile(high_draws, 1 - alpha)))
-    low, high = lo + low * (hi - lo), lo + high * (hi - lo)
-    return value, max(lo, min(low, value)), min(hi, max(high, value))
+        return cp_low, cp_high
+    core, total, atom = draws()
+    low_draws = core / (total + atom[0])  # the atom at lo (0 after rescaling)
+    high_draws = (core + atom[1]) / (total + atom[1])  # the atom at hi
+    alpha = (1 - level) / 2
+    return min(cp_low, float(np.quantile(low_draws, alpha))), max(cp_high, float(np.quantile(high_draws, 1 - alpha)))
 
 
 def median_interval(values: ArrayLike, *, level: float = 0.95) -> tuple[float, float, float]:
@@ -492,12 +525,28 @@ def bounded_ratio_interval(
     if p < 2:
         return value, float("nan"), float("nan")
 
+    if hi == lo:  # every value is lo: the ratio is 1, known
+        return value, value, value
+    sums = _DirichletSums(np.stack([a, b], axis=1), resamples, seed)  # drawn once: every r sees the same weights
+
     def test(r: float) -> tuple[float, float]:
-        """The ends of the interval of mean(a − r·b)."""
-        _, low, high = bounded_mean_interval(
-            a - r * b, lo=lo - r * hi, hi=hi - r * lo, resamples=resamples, level=level, seed=seed
-        )
-        return low, high
+        """The ends of the interval of mean(a − r·b): bounded_mean_interval of a − r·b on its bounds, its
+        weights' sums taken from those of a and b (w @ (a − r·b) = w @ a − r·(w @ b))."""
+        # [lo − r·hi, hi − r·lo], computed as bounded_mean_interval computes them: a problem at (hi, lo)
+        # must land on z = 1 exactly (not one ulp below), or the count and the branch would differ
+        low_r, high_r = lo - r * hi, hi - r * lo
+        span = high_r - low_r
+        d = a - r * b
+        z = np.clip((d - low_r) / span, 0.0, 1.0)
+
+        def draws() -> tuple[NDArray, NDArray, NDArray]:
+            core, total, atom = sums.scalar(0, span, shift=low_r)
+            return core - r * sums.sums[:, 1] / span, total, atom
+
+        low, high = _bounded_ends(z, level, draws)
+        mean = float(d.mean())
+        low, high = low_r + low * span, low_r + high * span
+        return max(low_r, min(low, mean)), min(high_r, max(high, mean))
 
     ends = []
     for bound, holds in ((lo / hi, lambda r: test(r)[0] <= 0), (hi / lo, lambda r: test(r)[1] >= 0)):

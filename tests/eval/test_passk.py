@@ -313,6 +313,47 @@ def test_the_ratio_interval_inverts_the_bounded_mean_test_on_a_minus_r_b():
     assert test(value)[1] <= 0 <= test(value)[2]  # mean(a − r·b) = 0 at the point estimate
 
 
+def ratio_by_mean_intervals(a, b, lo, hi, resamples):
+    """bounded_ratio_interval as its docstring defines it: bisections in log r on bounded_mean_interval
+    of a − r·b on [lo − r·hi, hi − r·lo], called anew at every r (what the function computed before it
+    kept the Dirichlet draws' sums)."""
+    from qmc_sampler.eval.passk import RATIO_BISECTIONS
+
+    value = a.mean() / b.mean()
+
+    def test(r):
+        return bounded_mean_interval(a - r * b, lo=lo - r * hi, hi=hi - r * lo, resamples=resamples)[1:]
+
+    ends = []
+    for bound, holds in ((lo / hi, lambda r: test(r)[0] <= 0), (hi / lo, lambda r: test(r)[1] >= 0)):
+        inside, outside = np.log(value), np.log(bound)
+        if holds(bound):
+            ends.append(bound)
+            continue
+        for _ in range(RATIO_BISECTIONS):
+            mid = (inside + outside) / 2
+            inside, outside = (mid, outside) if holds(float(np.exp(mid))) else (inside, mid)
+        ends.append(float(np.exp(inside)))
+    return value, min(ends[0], value), max(ends[1], value)
+
+
+@pytest.mark.parametrize("case", ["tail", "at the bounds", "one at each bound", "few"])
+def test_the_ratio_interval_is_the_mean_interval_inverted_at_every_r(case):
+    """The same interval as inverting bounded_mean_interval r by r, to rounding: the same weights, the
+    same branches — values at (hi, lo) land exactly on the bound (a one-ulp miss there took the
+    Monte Carlo branch in place of Clopper–Pearson and narrowed the interval)."""
+    rng = np.random.default_rng(9)
+    lo, hi = (4.0, 64.0) if case != "tail" else (1.0, 32.0)
+    a, b = {
+        "tail": lambda: [np.minimum(rng.geometric(rng.beta(4.0, 0.5, 48)), 32).astype(float) for _ in range(2)],
+        "at the bounds": lambda: [rng.choice([lo, hi], 30) for _ in range(2)],
+        "one at each bound": lambda: [np.r_[np.full(6, lo), hi], np.r_[np.full(4, hi), lo, hi, lo]],
+        "few": lambda: [np.array([lo, 10.0, hi]), np.array([hi, 5.0, lo])],
+    }[case]()
+    got = bounded_ratio_interval(a, b, lo=lo, hi=hi, resamples=300)
+    assert got == pytest.approx(ratio_by_mean_intervals(a, b, lo, hi, resamples=300), rel=1e-9)
+
+
 def test_the_ratio_interval_is_nan_without_problems_and_refuses_bounds_at_zero():
     import warnings
 
