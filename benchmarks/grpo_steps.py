@@ -10,12 +10,17 @@ paired by seed. Only the rollouts' design differs:
   prompt's G rollouts are one group. **i.i.d. runs the same code path** with the ``iid``
   design (independent counter-based uniforms through the same forcer), not transformers'
   own ``torch.multinomial``: the design is the only difference.
-* GPU only (``--use-vllm server|colocate``): TRL's own ``use_vllm=True, vllm_mode=…``;
-  the design travels as docs/integrations.md says ("TRL GRPO with vLLM"): server mode in
-  ``generation_kwargs={"vllm_xargs": {"qmc_method": …, "qmc_seed": …}}`` to a server
-  started with ``QMC_SAMPLER=lattice trl vllm-serve --model …``; colocate mode with
-  ``QMC_SAMPLER`` set in this process and ``generation_kwargs={"extra_args": …}``. Refused
-  (exit 2) on a machine without CUDA; it cannot run on this project's CPU machine.
+* GPU only, **untested** (``--use-vllm server|colocate``): TRL's own ``use_vllm=True,
+  vllm_mode=…``; the design travels as docs/integrations.md says ("TRL GRPO with vLLM"):
+  server mode in ``generation_kwargs={"vllm_xargs": {"qmc_method": …, "qmc_seed": …}}`` to a
+  server started with ``QMC_SAMPLER=lattice trl vllm-serve --model …``; colocate mode with
+  ``QMC_SAMPLER`` set in this process and ``generation_kwargs={"extra_args": …}``, one
+  (design, seed) run per invocation (``--only DESIGN:SEED``: one colocated engine per
+  process). ``qmc_seed`` is set afresh before each step's generation (from the run's seed
+  and the step, as patch_generate derives a call's seed), so no step reuses another step's
+  uniforms. The script cannot see the engine, so it cannot check that the plugin made
+  groups (it says so when it starts). Refused (exit 2) on a machine without CUDA: these
+  paths cannot run on this project's CPU machine.
 
 Defaults: the default model (SmolLM2-135M-Instruct) and ``make run``'s task,
 ``basic_arithmetic`` (its verifier is the 0/1 reward), sized for about an hour on an
@@ -34,13 +39,17 @@ Pre-registered comparison (fixed before the first full run; not tuned on its res
   both designs are evaluated by identical code. Evaluated at step 0, every
   ``--eval-every`` steps and after the final step.
 * **Primary**: held-out reward after the final step, paired difference design − iid per
-  seed, its mean over seeds with a 95% percentile bootstrap interval over seeds (10 000
-  resamples, ``numpy.random.default_rng(0)``). With 3–5 seeds such an interval is crude
-  (it can be no wider than the range of the differences): read it as descriptive.
+  seed, and its mean over seeds. Printed with it: the number of seeds, the exact sign-flip
+  permutation p-value of that mean (two-sided; all 2^n sign patterns of the n paired
+  differences; with 3 seeds it can be no smaller than 0.25), and a **descriptive**
+  percentile bootstrap interval over seeds (2.5 and 97.5 percentiles of 10 000 resampled
+  means, ``numpy.random.default_rng(0)``). That interval is not a 95% confidence interval:
+  with 3–5 seeds it is about the range of the differences and covers far less than 95%.
 * Secondary: (a) the area under the held-out reward curve (trapezoid over the evaluation
   steps, divided by the steps: the mean held-out reward over training), paired the same
   way; (b) per seed, the first evaluation step at which the design's held-out reward
-  reaches iid's final held-out reward (``-`` if it never does).
+  reaches iid's final held-out reward (``-`` if it never does; ``iid did not improve``
+  where iid's final held-out reward is not above its step-0 value: nothing to reach).
 * Also recorded, not compared: training reward, the share of zero-variance groups (all
   G rewards equal: no GRPO signal), distinct completions per group, tokens generated.
 
@@ -55,12 +64,16 @@ rows, copies-only calls; any unsampleable or copies-only count is also printed).
 
 Resume: rerunning with the same arguments skips the finished (design, seed) runs; a run
 that was cut off has its partial lines dropped and reruns from its start (deterministic:
-same seeds). A file written with other arguments is refused (exit 2).
+same seeds); a last line cut off mid-write is dropped too (the file is rewritten). A file
+written with other arguments, or with a line that is not JSON before its last, is refused
+(exit 2). ``--only DESIGN:SEED`` runs that one run (if unfinished) and reports; it is not
+part of the arguments a file is written with. Invocations on one ``--out`` must run one
+after another, never at once.
 
     python benchmarks/grpo_steps.py [--model DIR] [--task basic_arithmetic] [--designs iid,lattice]
         [--seeds 3] [--steps 16] [--generations 8] [--prompts 4] [--max-completion-length 24]
         [--learning-rate 1e-5] [--heldout 64] [--eval-every 4] [--out runs/grpo_steps]
-        [--use-vllm server|colocate] [--quick]
+        [--use-vllm server|colocate] [--only DESIGN:SEED] [--quick]
 """
 
 from __future__ import annotations
@@ -118,7 +131,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, OneLineParse
         "--use-vllm",
         choices=("server", "colocate"),
         default=None,
-        help="GPU only (CUDA and vLLM's GPU build; refused here): TRL's use_vllm=True in this mode",
+        help="UNTESTED, GPU only (CUDA and vLLM's GPU build; refused here): TRL's use_vllm=True in this mode "
+        "(colocate: one run per invocation, with --only)",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        metavar="DESIGN:SEED",
+        help="run only this (design, seed) run, if unfinished, then report (needed with --use-vllm colocate)",
     )
     p.add_argument("--quick", action="store_true", help="2 steps, 1 seed, G = 4, 2 prompts: checks that it runs")
     args = p.parse_args(argv)
@@ -130,6 +150,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, OneLineParse
 
 
 def _check(args: argparse.Namespace, p: OneLineParser) -> None:
+    """Check every value and normalize two in place: ``args.designs`` becomes a list, iid
+    first; ``args.only`` a (design, seed) pair or None.
+
+    Args:
+        args: the parsed namespace (modified). p: for the one-line error (exit 2).
+    """
     from qmc_sampler.designs import METHODS
 
     designs = [d.strip() for d in args.designs.split(",") if d.strip()]
@@ -145,6 +171,22 @@ def _check(args: argparse.Namespace, p: OneLineParser) -> None:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be an integer >= {least}")
     if not 0 < args.learning_rate < 1 or not args.temperature > 0:
         p.error("--learning-rate must be in (0, 1) and --temperature > 0")
+    if args.data_seed < 0:
+        p.error(f"--data-seed {args.data_seed}: must be an integer >= 0")
+    if args.only is not None:
+        design, _, seed = args.only.partition(":")
+        if design not in args.designs or not seed.isdigit() or int(seed) >= args.seeds:
+            p.error(
+                f"--only {args.only!r}: give DESIGN:SEED, a design of --designs ({','.join(args.designs)}) "
+                f"and a seed 0 … {args.seeds - 1}"
+            )
+        args.only = (design, int(seed))
+    if args.use_vllm == "colocate" and args.only is None:
+        # A colocated engine lives in this process (TRL builds one per trainer, and QMC_SAMPLER is
+        # read when it starts): two runs in one process would hold two engines, the second started
+        # under the first's environment. One run per process is the simplest correct rule; a driver
+        # that spawned a process per run could not be tested here (no GPU).
+        p.error("--use-vllm colocate: one (design, seed) run per invocation; add --only DESIGN:SEED (e.g. iid:0)")
     if args.use_vllm:
         import torch
 
@@ -184,25 +226,41 @@ def eval_steps(steps: int, every: int) -> list[int]:
 # ---------------------------------------------------------------- the JSONL file and its resume
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    """The records of ``path``; a last line cut off mid-write is dropped (its run is unfinished)."""
+def read_lines(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The records of ``path``, and whether its text is whole: every line a record, the last
+    one ended by a newline. A last line cut off mid-write is dropped (its run is unfinished).
+
+    Raises:
+        ValueError: the file is not text, or a line before the last is not a JSON object.
+    """
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a text file ({e}); use another --out") from None
     records = []
-    lines = path.read_text().splitlines()
+    lines = text.splitlines()
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise
-    return records
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif i != len(lines) - 1:
+            raise ValueError(
+                f"{path}, line {i + 1}: not a JSON record (only the last line may be cut off); use another --out"
+            )
+    return records, len(records) == len(lines) and text.endswith("\n")
 
 
 def open_results(path: Path, ident: dict[str, Any], p: OneLineParser) -> set[tuple[str, int]]:
     """Prepare ``path`` for this invocation and say which (design, seed) runs are finished.
 
-    A new file gets the header line. An existing one must carry the same identity (else a
-    one-line error, exit 2); the lines of runs without an ``end`` line are dropped (the
-    file is rewritten atomically) so that those runs restart from their beginning.
+    A new file gets the header line. An existing one must carry the same identity and parse
+    (else a one-line error, exit 2); the lines of runs without an ``end`` line are dropped
+    so that those runs restart from their beginning, and so is a last line cut off
+    mid-write (wherever it is: after a run's ``end`` line too). Either way the file is
+    rewritten atomically, whole lines only, so that the next line appended starts a line.
 
     Args:
         path: the JSONL file. ident: :func:`identity` of these arguments. p: for the error.
@@ -219,7 +277,10 @@ def open_results(path: Path, ident: dict[str, Any], p: OneLineParser) -> set[tup
         header = {"type": HEADER, "identity": ident, "cpu": describe_cpu(), "versions": versions}
         path.write_text(json.dumps(header) + "\n")
         return set()
-    records = read_lines(path)
+    try:
+        records, whole = read_lines(path)
+    except ValueError as e:
+        p.error(str(e))
     if not records or records[0].get("type") != HEADER:
         p.error(f"{path} has no header line: not a grpo_steps.py file; use another --out")
     if records[0]["identity"] != ident:
@@ -227,15 +288,19 @@ def open_results(path: Path, ident: dict[str, Any], p: OneLineParser) -> set[tup
         p.error(f"{path} was written with other arguments ({', '.join(diff)}); use another --out or the same ones")
     finished = {(r["design"], r["seed"]) for r in records if r.get("type") == END}
     kept = [r for r in records if r.get("type") == HEADER or (r.get("design"), r.get("seed")) in finished]
-    if len(kept) != len(records):
+    if len(kept) != len(records) or not whole:
         staging = path.with_suffix(".tmp")
         staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
         staging.replace(path)
-        print(f"dropped {len(records) - len(kept)} lines of unfinished runs; they restart", flush=True)
+        if not whole:
+            print("dropped a last line cut off mid-write", flush=True)
+        if len(kept) != len(records):
+            print(f"dropped {len(records) - len(kept)} lines of unfinished runs; they restart", flush=True)
     return finished
 
 
 def _version(name: str) -> str | None:
+    """The installed version of distribution ``name`` (None: not installed)."""
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -251,18 +316,35 @@ def append(path: Path, record: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- problems and rewards
 
 
-def split_problems(task: Any, heldout: int, data_seed: int, p: OneLineParser) -> tuple[list[Any], list[Any]]:
-    """The task's distinct problems, split into (training, held-out) by a seeded Generator.
+def split_problems(task: Any, args: argparse.Namespace, p: OneLineParser) -> tuple[list[Any], list[Any]]:
+    """The task's distinct problems, split into (training, held-out) by a Generator seeded
+    with ``--data-seed``.
+
+    Args:
+        task: the eval task (``--task``). args: ``--heldout``, ``--prompts`` (at least that many
+        training problems must remain) and ``--data-seed``. p: for the one-line errors (exit 2):
+        too few problems, or the task failing to give them.
 
     Returns:
-        Two disjoint lists of ``Problem``; held-out has ``heldout`` problems.
+        Two disjoint lists of ``Problem``; held-out has ``--heldout`` problems.
     """
+    heldout, data_seed = args.heldout, args.data_seed
+    try:
+        drawn = task.problems(POOL, data_seed)
+    except Exception as e:  # e.g. StopIteration: the task's one-shot example pool ran dry for this seed
+        p.error(
+            f"--task {args.task} --data-seed {data_seed}: the task could not give its problems "
+            f"({type(e).__name__}: {str(e) or 'no message'}); try another --data-seed"
+        )
     distinct: dict[str, Any] = {}
-    for problem in task.problems(POOL, data_seed):
+    for problem in drawn:
         distinct.setdefault(json.dumps(problem.messages or problem.prompt), problem)
     problems = list(distinct.values())
-    if heldout >= len(problems):
-        p.error(f"--heldout {heldout}: the task gives only {len(problems)} distinct problems; use fewer")
+    if len(problems) - heldout < args.prompts:
+        p.error(
+            f"--heldout {heldout}: the task gives {len(problems)} distinct problems, which leaves "
+            f"{max(len(problems) - heldout, 0)} for training, fewer than --prompts {args.prompts}; use fewer"
+        )
     order = np.random.default_rng(data_seed).permutation(len(problems))
     return [problems[i] for i in order[heldout:]], [problems[i] for i in order[:heldout]]
 
@@ -276,6 +358,17 @@ def cut(text: str, stop: tuple[str, ...]) -> str:
 def completion_text(completion: Any) -> str:
     """A TRL completion's text (conversational: a list with one assistant message)."""
     return completion[0]["content"] if isinstance(completion, list) else str(completion)
+
+
+def grouped(problem_ids: list[Any], prompts: int, g: int) -> bool:
+    """Whether a step's batch is ``prompts × g`` rows: ``prompts`` distinct problem ids, each on
+    ``g`` consecutive rows (TRL's RepeatSampler's layout, the one the figures assume)."""
+    heads = problem_ids[::g]
+    return (
+        len(problem_ids) == prompts * g
+        and len(set(heads)) == prompts
+        and all(problem_ids[i * g : (i + 1) * g] == [head] * g for i, head in enumerate(heads))
+    )
 
 
 def group_stats(problem_ids: list[Any], rewards: list[float], completion_ids: list[list[int]]) -> dict[str, float]:
@@ -334,6 +427,8 @@ class Recorder:
         self.handle = handle
         self.pending: dict[str, Any] = {}
         self.started = (time.perf_counter(), time.process_time())
+        self.calls = 0  # reward calls in this step (one expected)
+        self.warnings = 0  # batches not shaped prompts × G, repeated calls in a step (printed, not recorded)
         self.__name__ = "verifier"  # TRL names its reward metrics after the function
 
     def __call__(
@@ -344,7 +439,20 @@ class Recorder:
         problem_id: list[Any],
         **_: Any,
     ) -> list[float]:
-        """The task's verifier on each completion (cut at the stop string), 1.0 or 0.0."""
+        """The task's verifier on each completion (cut at the stop string), 1.0 or 0.0.
+
+        A batch that is not ``prompts × G`` rows in groups of G by problem id, or a second call
+        in one step, is warned about and counted (the step's line holds the last call's figures).
+        """
+        args = self.ctx["args"]
+        self.calls += 1
+        if self.calls > 1:
+            self.warn(f"the reward function was called {self.calls} times in this step (once expected)")
+        if not grouped(list(problem_id), args.prompts, args.generations):
+            self.warn(
+                f"the batch has {len(problem_id)} rows of {len(set(problem_id))} problems, not {args.prompts} "
+                f"prompts × G = {args.generations} rows in groups of G by problem id"
+            )
         task, by_id = self.ctx["task"], self.ctx["by_id"]
         texts = [cut(completion_text(c), task.stop) for c in completions]
         rewards = [float(task.score(by_id[pid], t).correct) for pid, t in zip(problem_id, texts, strict=True)]
@@ -356,8 +464,15 @@ class Recorder:
         }
         return rewards
 
+    def warn(self, message: str) -> None:
+        """Print one WARNING line naming the run and the step, and count it."""
+        self.warnings += 1
+        print(f"WARNING {self.ctx['design']} seed {self.ctx['seed']}: {message}", flush=True)
+
     def on_step_begin(self) -> None:
+        """Start the step's clocks and its count of reward calls."""
         self.started = (time.perf_counter(), time.process_time())
+        self.calls = 0
 
     def on_step_end(self, step: int, model: Any) -> None:
         """Write the step's line (held-out reward at evaluation steps) and print its progress."""
@@ -416,6 +531,7 @@ def grpo_config(args: argparse.Namespace, design: str, seed: int, output_dir: st
     from trl import GRPOConfig
 
     vllm: dict[str, Any] = {}
+    # qmc_seed here is the run's seed; vllm_step_seed replaces it before every step's generation.
     if args.use_vllm == "server":
         # docs/integrations.md, "TRL GRPO with vLLM": per-run settings travel in vllm_xargs.
         vllm = dict(
@@ -451,8 +567,35 @@ def grpo_config(args: argparse.Namespace, design: str, seed: int, output_dir: st
     )
 
 
-def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any]) -> None:
-    """Train one (design, seed) run from the model's own weights, writing its lines and ``end`` line."""
+def vllm_step_seed(generation_kwargs: dict[str, Any], mode: str, seed: int, call: int) -> None:
+    """Give generation ``call`` (0 before the first optimizer step, 1 before the second, …) of a
+    vLLM run a group seed of its own, written into the ``generation_kwargs`` that TRL 1.16's
+    ``VLLMGeneration.generate`` reads at each generation (``trainer.vllm_generation``).
+
+    Server mode: TRL sends one request per step, with every prompt; the plugin seeds prompt
+    i's group from (``qmc_seed``, i) (``vllm_plugin/request_args.py``, ``prompt_seed``), so a
+    seed fixed for the run gave slot i the same uniforms at every step (i.i.d. not i.i.d.).
+    Colocate mode: the auto groups are keyed by the prompt's tokens and ``qmc_seed``, so the
+    prompts of one step never share a seed, but a prompt drawn again at a later step, once its
+    group expired, would draw its members 0 … G−1 with the same uniforms again; a seed per
+    step makes each step's G copies of a prompt a group of their own there too.
+
+    The seed is patch_generate's seed of a generate call (``counter_seed(seed, HF_CALL_SEED,
+    rank 0, call)``, hf/generate.py): the CPU path's call seeds, so both paths pair designs by
+    the same per-step seeds. Untested here (no GPU).
+    """
+    from qmc_sampler.counter_rng import Purpose, counter_seed
+
+    key = "vllm_xargs" if mode == "server" else "extra_args"
+    generation_kwargs[key]["qmc_seed"] = counter_seed(seed, Purpose.HF_CALL_SEED, 0, call)
+
+
+def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any]) -> int:
+    """Train one (design, seed) run from the model's own weights, writing its lines and ``end`` line.
+
+    Returns:
+        The warnings its reward function printed (:meth:`Recorder.warn`).
+    """
     import tempfile
 
     import torch
@@ -482,10 +625,19 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
         recorder.handle = None if args.use_vllm else patch_generate(trainer.model, design, seed=seed)
 
         class Steps(TrainerCallback):
-            def on_step_begin(self, _args, state, control, **kw):
-                recorder.on_step_begin()
+            """The Trainer's hooks around each optimizer step: the recorder's clocks and line, and
+            with vLLM the step's group seed (set before the step's generation, which TRL runs
+            inside the step)."""
 
-            def on_step_end(self, _args, state, control, **kw):
+            def on_step_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+                """Start the step; with vLLM, give its generation a seed of its own."""
+                recorder.on_step_begin()
+                if args.use_vllm:
+                    generation_kwargs = trainer.vllm_generation.generation_kwargs
+                    vllm_step_seed(generation_kwargs, args.use_vllm, seed, state.global_step)
+
+            def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+                """Write the finished step's line (``state.global_step`` counts it)."""
                 recorder.on_step_end(state.global_step, kw["model"])
 
         recorder.pending = {}
@@ -505,6 +657,7 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
         "qmc": recorder.counters(),
     }
     append(ctx["path"], end)
+    return recorder.warnings
 
 
 # ---------------------------------------------------------------- the comparison, the table, the plot
@@ -534,13 +687,27 @@ def auc(heldout: dict[int, float], steps: int) -> float:
 
 
 def bootstrap(diffs: np.ndarray, rng: np.random.Generator) -> tuple[float, float] | None:
-    """The percentile bootstrap interval (level :data:`LEVEL`) of the mean of ``diffs`` over
-    seeds; None with fewer than 2 seeds (no interval to give)."""
+    """The percentile bootstrap interval (percentiles (1 ∓ :data:`LEVEL`)/2) of the mean of
+    ``diffs`` over seeds; None with fewer than 2 seeds (no interval to give). Descriptive only:
+    with a few seeds it is about [min, max] of the differences and covers far less than LEVEL."""
     if len(diffs) < 2:
         return None
     means = diffs[rng.integers(0, len(diffs), (BOOTSTRAP, len(diffs)))].mean(axis=1)
     lo, hi = np.quantile(means, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return float(lo), float(hi)
+
+
+def sign_flip_p(diffs: np.ndarray) -> float | None:
+    """The exact two-sided sign-flip permutation p-value of the mean of paired differences: the
+    share of the 2^n sign patterns of the n differences (the observed one included) whose mean
+    is at least as far from 0 as the observed mean. Its least value is 2 / 2^n (0.25 with 3
+    seeds). None with more than 20 differences (2^n patterns too many to list)."""
+    n = len(diffs)
+    if n > 20:
+        return None
+    signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+    means = np.abs((signs * diffs).mean(axis=1))
+    return float(np.mean(means >= abs(diffs.mean()) - 1e-12))
 
 
 def reach_step(heldout: dict[int, float], target: float) -> int | None:
@@ -591,16 +758,30 @@ def comparison(runs: dict[str, dict[int, dict]], steps: int) -> str:
         ):
             diffs = np.array([value(by_seed[s]) - value(base[s]) for s in seeds])
             ci = bootstrap(diffs, rng)
+            n = f"{len(seeds)} seed{'s' * (len(seeds) > 1)}"
+            p_value = sign_flip_p(diffs)
+            test = (
+                f"exact sign-flip p = {p_value:.3f} (two-sided, 2^{len(seeds)} flips; least possible "
+                f"{2 / 2 ** len(seeds):.3f})"
+                if p_value is not None
+                else "sign-flip p not computed (over 20 seeds)"
+            )
             where = (
-                f"{LEVEL:.0%} percentile bootstrap over seeds [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+                f"descriptive percentile bootstrap [{ci[0]:+.3f}, {ci[1]:+.3f}], not a {LEVEL:.0%} interval"
                 if ci
                 else "no interval with 1 seed"
             )
             per_seed = ", ".join(f"{d:+.3f}" for d in diffs)
-            lines.append(f"{design} − iid, {name}: {diffs.mean():+.3f} ({where}; per seed {per_seed})")
-        reached = [reach_step(by_seed[s]["heldout"], base[s]["heldout"][steps]) for s in seeds]
-        shown = ", ".join("-" if r is None else str(r) for r in reached)
-        lines.append(f"{design}: steps to reach iid's final held-out reward, per seed (of {steps}): {shown}")
+            lines.append(f"{design} − iid, {name}: {diffs.mean():+.3f} over {n} ({test}; {where}; per seed {per_seed})")
+        shown = []
+        for s in seeds:
+            target = base[s]["heldout"][steps]
+            if target <= base[s]["heldout"][0] + 1e-12:  # nothing to reach: the design's step 0 is as good
+                shown.append("iid did not improve")
+            else:
+                reached = reach_step(by_seed[s]["heldout"], target)
+                shown.append("-" if reached is None else str(reached))
+        lines.append(f"{design}: steps to reach iid's final held-out reward, per seed (of {steps}): {', '.join(shown)}")
     return "\n".join(lines)
 
 
@@ -637,7 +818,7 @@ def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def report(path: Path, args: argparse.Namespace) -> None:
     """Print the table and the paired comparison, and draw the plot, from the file's finished runs."""
-    records = read_lines(path)
+    records, _ = read_lines(path)
     runs = curves(records, args.designs, list(range(args.seeds)))
     header = records[0]
     title = (
@@ -649,23 +830,39 @@ def report(path: Path, args: argparse.Namespace) -> None:
     print(f"plot: {path.with_name('reward.png')}; lines: {path}", flush=True)
 
 
+VLLM_WARNING = (
+    "WARNING --use-vllm {mode} (untested): this script cannot see vLLM's engine, so it cannot check that the "
+    "qmc-sampler plugin made groups; without it both designs run vLLM's own i.i.d. sampling, silently. Check the "
+    "engine's log (the plugin logs once which interface it serves) and its plugin_stats "
+    "(qmc_sampler.vllm_plugin.processor.plugin_stats through LLM.collective_rpc, or qmc-serve's GET /stats; "
+    "docs/serving.md): admitted_by_design must count members of both designs"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the missing (design, seed) runs, seed by seed, then report. Returns the exit code."""
+    """Run the missing (design, seed) runs (or ``--only``'s), seed by seed, then report. Returns the exit code."""
     args, p = parse_args(argv)
+    from qmc_sampler.eval.tasks import get_task
+
+    try:
+        task = get_task(args.task)
+    except ValueError as e:
+        p.error(f"--task: {e}")
+    train, heldout = split_problems(task, args, p)  # before the file: a refusal writes nothing
     path = Path(args.out) / "steps.jsonl"
     finished = open_results(path, identity(args), p)
-    todo = [(d, s) for s in range(args.seeds) for d in args.designs if (d, s) not in finished]
+    runs = [args.only] if args.only else [(d, s) for s in range(args.seeds) for d in args.designs]
+    todo = [run for run in runs if run not in finished]
     if todo:
-        from qmc_sampler.eval.tasks import get_task
         from transformers import AutoTokenizer
 
         from qmc_sampler.models import resolve_model
 
-        task = get_task(args.task)
-        train, heldout = split_problems(task, args.heldout, args.data_seed, p)
+        if args.use_vllm:
+            print(VLLM_WARNING.format(mode=args.use_vllm), flush=True)
         model_dir = resolve_model(args.model)
         print(
-            f"{read_lines(path)[0]['cpu']}; {len(train)} training prompts, {len(heldout)} held-out; "
+            f"{read_lines(path)[0][0]['cpu']}; {len(train)} training prompts, {len(heldout)} held-out; "
             f"runs to do: {len(todo)} of {len(args.designs) * args.seeds}",
             flush=True,
         )
@@ -681,8 +878,14 @@ def main(argv: list[str] | None = None) -> int:
             "tokenizer": AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
             "train_tokenizer": AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
         }
-        for design, seed in todo:
-            run_one(args, design, seed, ctx)
+        warnings = sum(run_one(args, design, seed, ctx) for design, seed in todo)
+        print(
+            f"batch warnings (a batch not --prompts × G rows in groups of G by problem id, or the reward "
+            f"function called more than once in a step): {warnings} in the {len(todo)} runs trained now",
+            flush=True,
+        )
+    elif args.only:
+        print(f"run {args.only[0]}:{args.only[1]} finished in {path}; nothing to train", flush=True)
     else:
         print(f"all {len(args.designs) * args.seeds} runs finished in {path}; nothing to train", flush=True)
     report(path, args)

@@ -3,18 +3,33 @@
 The tiny model is random, so the task's reward is mostly 0: these tests check the
 record (its structure, the pairing of designs by seed and prompts, lattice's groups),
 the resume, and the refusals — not the figures. Each run is ``python SCRIPT`` in a fork
-of the warm Python (torch and transformers already imported).
+of the warm Python (torch and transformers already imported). The helpers that need no
+training (the p-value, the batch check, the vLLM step seed, …) are called in this process.
 """
 
+import argparse
+import ast
+import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("trl", reason="TRL not installed")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo_steps.py"
 STEPS, PROMPTS, G = 2, 2, 4  # the script's --quick sizes
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    """The script as a module (importing it runs nothing: numpy only)."""
+    spec = importlib.util.spec_from_file_location("grpo_steps_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def grpo_steps(warm_python, *argv: str):
@@ -98,6 +113,47 @@ def test_a_cut_off_run_restarts_cleanly(quick_runs, warm_python, tmp_path):
     assert paired == [line for line in comparison_lines(first.stdout) if line.startswith("lattice")] != []
 
 
+def test_a_cut_off_line_right_after_a_finished_run_is_dropped_and_the_file_repaired(quick_runs, warm_python, tmp_path):
+    # The last run finished, then the next invocation was cut off while writing its first line:
+    # nothing to train, but the fragment must go, or the next line appended would be glued to it.
+    _, argv, first, _, records = quick_runs
+    whole = "".join(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "steps.jsonl").write_text(whole + '{"type": "step", "des')
+    done = grpo_steps(warm_python, *argv[:-1], str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dropped a last line cut off mid-write" in done.stdout and "nothing to train" in done.stdout, done.stdout
+    assert (tmp_path / "steps.jsonl").read_text() == whole
+    assert comparison_lines(done.stdout)[:-1] == comparison_lines(first.stdout)[:-1] != []  # (not the paths)
+
+
+def test_a_line_that_is_not_json_before_the_last_is_refused_in_one_line(quick_runs, warm_python, tmp_path):
+    _, argv, _, _, records = quick_runs
+    lines = [json.dumps(r) for r in records]
+    text = "\n".join([lines[0], '{"type": "st', *lines[1:]]) + "\n"
+    (tmp_path / "steps.jsonl").write_text(text)
+    done = grpo_steps(warm_python, *argv[:-1], str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"grpo_steps.py: error: {tmp_path / 'steps.jsonl'}, line 2: not a JSON record (only the last line may be "
+        "cut off); use another --out"
+    ]
+    assert (tmp_path / "steps.jsonl").read_text() == text  # left as it was
+
+
+def test_only_runs_one_run_and_reports_and_is_not_part_of_the_identity(quick_runs, warm_python):
+    _, argv, first, *_ = quick_runs
+    done = grpo_steps(warm_python, *argv, "--only", "lattice:0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run lattice:0 finished in " in done.stdout and "nothing to train" in done.stdout, done.stdout
+    assert comparison_lines(done.stdout) == comparison_lines(first.stdout) != []
+
+
+def test_a_run_prints_its_batch_warnings_count(quick_runs):
+    first = quick_runs[2]
+    assert "reward function called more than once in a step): 0 in the 2 runs trained now" in first.stdout
+    assert "WARNING" not in first.stdout, first.stdout
+
+
 def test_a_file_written_with_other_arguments_is_refused(quick_runs, warm_python):
     out, argv, *_ = quick_runs
     done = grpo_steps(warm_python, *argv, "--learning-rate", "0.001")
@@ -116,6 +172,12 @@ def test_a_file_written_with_other_arguments_is_refused(quick_runs, warm_python)
         (["--steps", "0"], "--steps 0: must be an integer >= 1"),
         (["--generations", "1"], "--generations 1: must be an integer >= 2"),
         (["--seeds", "two"], "argument --seeds: invalid int value: 'two'"),
+        (["--data-seed", "-1"], "--data-seed -1: must be an integer >= 0"),
+        (["--heldout", "1000"], "--heldout 1000: the task gives "),
+        (["--heldout", "200", "--prompts", "100"], "for training, fewer than --prompts 100; use fewer"),
+        (["--task", "nope"], "--task: task='nope' is not a task"),
+        (["--only", "lattice:3"], "--only 'lattice:3': give DESIGN:SEED, a design of --designs (iid,lattice)"),
+        (["--use-vllm", "colocate"], "--use-vllm colocate: one (design, seed) run per invocation; add --only"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_code_2(warm_python, tmp_path, argv, message):
@@ -123,3 +185,98 @@ def test_bad_arguments_get_one_line_and_exit_code_2(warm_python, tmp_path, argv,
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
     assert not (tmp_path / "steps.jsonl").exists()
+
+
+def test_the_sign_flip_p_value_is_exact_over_all_sign_patterns(grpo):
+    assert grpo.sign_flip_p(np.array([0.1, 0.2, 0.3])) == 0.25  # of 8 patterns, the two extreme ones
+    assert grpo.sign_flip_p(np.array([0.1, 0.2, 0.3, 0.05])) == 0.125
+    assert grpo.sign_flip_p(np.array([0.3, 0.1, -0.1])) == 0.75  # ±0.3±0.1±0.1: 6 of 8 as far from 0 (rounding too)
+    assert grpo.sign_flip_p(np.array([0.1, -0.1])) == 1.0 == grpo.sign_flip_p(np.zeros(3))
+    assert grpo.sign_flip_p(np.ones(21)) is None
+
+
+def run_curve(heldout):
+    return {"steps": [], "rows": [], "heldout": heldout}
+
+
+def test_the_comparison_names_the_seeds_the_p_value_and_a_descriptive_interval(grpo):
+    runs = {
+        "iid": {s: run_curve({0: 0.25, 2: 0.5}) for s in range(3)},
+        "lattice": {s: run_curve({0: 0.25, 2: 0.5 + 0.125 * (s + 1)}) for s in range(3)},
+    }
+    final = grpo.comparison(runs, 2).splitlines()[0]
+    head = (
+        "lattice − iid, final held-out reward: +0.250 over 3 seeds (exact sign-flip p = 0.250 "
+        "(two-sided, 2^3 flips; least possible 0.250); descriptive percentile bootstrap ["
+    )
+    assert final.startswith(head), final
+    assert "], not a 95% interval; per seed +0.125, +0.250, +0.375)" in final, final
+
+
+def test_steps_to_reach_say_when_iid_did_not_improve(grpo):
+    runs = {  # seed 0: iid improved, lattice reached it at step 2; seed 1: iid ended where it began
+        "iid": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.5, 1: 0.75, 2: 0.5})},
+        "lattice": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.5, 1: 0.5, 2: 0.5})},
+    }
+    last = grpo.comparison(runs, 2).splitlines()[-1]
+    assert last == "lattice: steps to reach iid's final held-out reward, per seed (of 2): 2, iid did not improve"
+
+
+def test_a_batch_not_in_groups_of_g_or_a_second_reward_call_is_warned_about_and_counted(grpo, capsys):
+    task = SimpleNamespace(stop=("\n",), score=lambda problem, text: SimpleNamespace(correct=text == "4"))
+    args = SimpleNamespace(prompts=2, generations=2)
+    ctx = {"task": task, "by_id": {7: None, 3: None}, "args": args, "design": "iid", "seed": 0}
+    recorder = grpo.Recorder(ctx, None)
+    call = lambda ids: recorder(None, ["4"] * len(ids), [[1]] * len(ids), ids)  # noqa: E731
+    recorder.on_step_begin()
+    assert call([7, 7, 3, 3]) == [1.0] * 4 and recorder.warnings == 0 and capsys.readouterr().out == ""
+    call([7, 7, 3, 3])
+    assert recorder.warnings == 1
+    recorder.on_step_begin()
+    call([7, 3, 7, 3])  # interleaved: not groups of G
+    assert recorder.warnings == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "WARNING iid seed 0: the reward function was called 2 times in this step (once expected)",
+        "WARNING iid seed 0: the batch has 4 rows of 2 problems, not 2 prompts × G = 2 rows in groups of G "
+        "by problem id",
+    ]
+    assert grpo.grouped([7, 7, 3, 3], 2, 2) and not grpo.grouped([7, 7, 7, 7], 2, 2)
+    assert not grpo.grouped([7, 7, 3, 3, 5, 5], 2, 2) and not grpo.grouped([7, 7, 3], 2, 2)
+
+
+def test_with_vllm_every_step_gets_its_own_seed_in_the_kwargs_trl_reads_at_each_generation(grpo):
+    from qmc_sampler.counter_rng import Purpose, counter_seed
+
+    server = {"vllm_xargs": {"qmc_method": "iid", "qmc_seed": 5}}
+    seeds = []
+    for call in range(3):
+        grpo.vllm_step_seed(server, "server", 5, call)
+        seeds.append(server["vllm_xargs"]["qmc_seed"])
+    assert len(set(seeds)) == 3 and server["vllm_xargs"]["qmc_method"] == "iid"
+    assert seeds[0] == counter_seed(5, Purpose.HF_CALL_SEED, 0, 0)  # patch_generate's call seed
+    colocate = {"extra_args": {"qmc_method": "lattice", "qmc_seed": 5}}
+    grpo.vllm_step_seed(colocate, "colocate", 5, 2)
+    assert colocate["extra_args"]["qmc_seed"] == seeds[2]
+    # TRL (read, not imported: vLLM's import is slow) keeps its VLLMGeneration as trainer.vllm_generation
+    # and reads self.generation_kwargs inside generate, at every generation.
+    trl = Path(importlib.util.find_spec("trl").origin).parent
+    assert "self.vllm_generation = VLLMGeneration(" in (trl / "trainer" / "grpo_trainer.py").read_text()
+    tree = ast.parse((trl / "generation" / "vllm_generation.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VLLMGeneration"]
+    (generate,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "generate"]
+    assert ast.unparse(generate).count("self.generation_kwargs") == 2  # server mode and colocate mode
+
+
+def test_a_task_that_cannot_give_its_problems_is_one_line_naming_task_and_data_seed(grpo, capsys):
+    class Dry:  # as basic_arithmetic where its one-shot example pool runs dry: next() raises StopIteration
+        def problems(self, count, seed):
+            raise StopIteration
+
+    args = argparse.Namespace(task="basic_arithmetic", heldout=4, prompts=2, data_seed=7)
+    with pytest.raises(SystemExit) as exit_:
+        grpo.split_problems(Dry(), args, grpo.OneLineParser(prog="grpo_steps.py"))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "grpo_steps.py: error: --task basic_arithmetic --data-seed 7: the task could not give its problems "
+        "(StopIteration: no message); try another --data-seed"
+    ]
