@@ -33,6 +33,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
@@ -40,8 +41,15 @@ SAMPLERS = ("iid", "lattice")
 Collect = Callable[[str, int, object, list[str]], None]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a one-line error (``prog: error: …``, exit 2), no usage block (as qmc-eval's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="rollout_diversity.py", description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="vllm,hf", help="comma-separated: vllm, hf")
     p.add_argument("--task", default="basic_arithmetic")
     p.add_argument("--problems", type=int, default=32)
@@ -67,11 +75,19 @@ def main() -> None:
     sizes = [4] if args.quick else [int(g) for g in args.groups.split(",")]
     from qmc_sampler.eval.cli import _task_option
 
+    count = 4 if args.quick else args.problems
     try:
         task = get_task(args.task, **dict(_task_option(text) for text in args.task_option))
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        # A generator's options are taken only when it draws (as qmc-eval's check).
+        problems = _distinct(task, count, args.seed, p)
+    except StopIteration:  # a reasoning-gym task's one-shot example must lie outside the problems drawn
+        p.error(f"--problems {count}: {args.task} has no one-shot example outside {3 * count} problems; ask for fewer")
+    except TypeError as e:  # a --task-option the task does not take
         p.error(f"--task-option: {e}")
-    problems = _distinct(task, 4 if args.quick else args.problems, args.seed, p)
+    except (ValueError, argparse.ArgumentTypeError) as e:  # a bad task name or task file; KEY=VALUE misspelt
+        p.error(str(e))
+    except AssertionError as e:  # reasoning-gym checks its generators' settings with asserts
+        p.error(f"--task-option: {str(e) or 'the task refuses these settings'}")
     max_tokens = 8 if args.quick else task.max_tokens
     model = resolve_model(args.model)
     print(describe_cpu(), flush=True)
@@ -117,7 +133,10 @@ def _distinct(task, count: int, seed: int, p: argparse.ArgumentParser) -> list:
     Raises (through ``p.error``, exit 2): the task gives fewer than ``count`` distinct prompts.
     """
     drawn = task.problems(3 * count, seed)  # (not far more: the one-shot example must stay outside the set)
-    unique = list({repr(pr.messages or pr.prompt): pr for pr in reversed(drawn)}.values())[::-1]
+    first: dict[str, object] = {}
+    for pr in drawn:  # each prompt's first occurrence, in the order drawn: [:count] keeps the first ones
+        first.setdefault(repr(pr.messages or pr.prompt), pr)
+    unique = list(first.values())
     if len(unique) < count:
         p.error(f"--problems {count}: {len(unique)} distinct problems in {len(drawn)} drawn from {task.name}; "
                 "ask for fewer, or more with --task-option (e.g. max_digits=2)")  # fmt: skip
