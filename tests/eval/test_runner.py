@@ -149,6 +149,10 @@ def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_mo
     # --until-correct: round j sends members [2j, 2j + 2) of one lattice group of 8; each is member i
     # of the design (equal to the reference loop's member i), and a problem stops at its first
     # correct member's round. The verifier (a regex) passes some of the tiny model's texts, not all.
+    # Texts are compared with the reference loop's (transformers, one prefix at a time): the engine's
+    # batched logits differ from those in the last bits, and the carry can turn that into another
+    # token a few steps on; so a member or two may part from its reference text, never most of them
+    # (a member sent with another's index shares its reference's text only by chance).
     from qmc_sampler.eval.cli import main as cli_main
 
     task_file = tmp_path / "t.jsonl"
@@ -160,6 +164,8 @@ def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_mo
     records = read_samples(run(cfg, engine=llm, progress=False) / "samples.jsonl")
     tokenizer = llm.get_tokenizer()
     task = get_task(cfg.task, **options)
+    parted = []  # (member, its text, its reference text) where the text is not the reference's start
+    checked = 0
     for problem in task.problems(3, 0):
         prompt = tokenizer.encode(problem.prompt)
 
@@ -178,10 +184,14 @@ def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_mo
             m // 2 for m in range(len(mine))
         ]
         for r in mine:
-            assert tokenizer.decode(reference[r["member"]], skip_special_tokens=True).startswith(r["text"]), r
+            expected = tokenizer.decode(reference[r["member"]], skip_special_tokens=True)
+            checked += 1
+            if not expected.startswith(r["text"]):
+                parted.append((problem.problem_id, r["member"], r["text"], expected))
         scores = [r["score"] for r in mine]
         first = scores.index(True) + 1 if True in scores else None
         assert len(mine) == (8 if first is None else -(-first // 2) * 2)
+    assert checked >= 6 and len(parted) <= max(1, checked // 10), (checked, parted)
     assert {r["sampler"] for r in records} == {"iid", "lattice"}
     assert any(r["score"] for r in records) and not all(r["score"] for r in records)
     assert cli_main(["score", cfg.out, "--resamples", "200"]) == 0
