@@ -23,25 +23,34 @@ REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai", "ray")
 
 #: The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadfile``): a module is
 #: one unit of work, so its module-scoped engine or server starts once, and the workers take
-#: units in collection order: the costliest modules are collected first (serial seconds on a
-#: 2-core AMD EPYC, in brackets), so neither worker is left with a long one at the end.
+#: units in collection order: the costliest modules are collected first, longest first (serial
+#: seconds on this project's 2-core Intel Xeon, the suite idle otherwise, in brackets), so neither
+#: worker is left with a long one at the end.
 #: (``--dist loadgroup`` would let the quick forms and mutants spread test by test, but
 #: pytest-xdist 3.8 cannot rename pytest 9.2's node ids, so its groups are ignored.)
 COSTLIEST_FIRST = (
-    "benchmarks/test_quick_forms.py",  # [200] each quick form starts its own servers
-    "mutation/test_mutants.py",  # [200] a pytest per mutant, some with an engine
-    "eval/test_endpoints.py",  # [190] two replicas, a third for the SIGTERM test; the until-correct recipe
-    "eval/test_ray.py",  # [~200] one Ray cluster, two vLLM replicas, the recipes, a kill test
-    "test_docs.py",  # [~100] a fresh Python per Python block of README.md and docs/, two with a vLLM engine
-    "vllm_plugin/test_vllm_openai_server.py",  # [90] two servers
-    "server/test_server.py",  # [60]
-    "server/test_data_parallel.py",  # [60]
-    "eval/test_runner.py",
-    "vllm_plugin/test_inactive_paths.py",
+    "eval/test_ray.py",  # [~260] one Ray cluster; the CLI's two replicas, the recipes' replicas, Ray Serve
+    "benchmarks/test_quick_forms.py",  # [180] each quick form starts its own servers
+    "vllm_plugin/test_vllm_openai_server.py",  # [70] two servers
+    "mutation/test_mutants.py",  # [70] a pytest per mutant, some with an engine
+    "eval/test_endpoints.py",  # [60] two replicas, a third for the SIGTERM test; the until-correct recipe
+    "benchmarks/test_gpu_check.py",  # [45] make gpu-check's dry run
+    "core/test_triton_kernel.py",  # [40] the kernel under Triton's interpreter, in a pytest of its own
+    "eval/test_ci_coverage.py",  # [40]
+    "server/test_data_parallel.py",  # [35]
+    "vllm_plugin/test_inactive_paths.py",  # [30]
+    "eval/test_ray_driver.py",  # [25]
+    "server/test_server.py",  # [25]
+    "vllm_plugin/test_release_layouts.py",  # [20]
+    "test_docs.py",  # [20] a fresh Python per Python block of README.md and docs/, two with a vLLM engine
+    "vllm_plugin/test_auto_group.py",
+    "vllm_plugin/test_logprobs.py",
+    "hf/test_generate.py",
     "server/test_production.py",
+    "benchmarks/test_grpo_steps.py",  # [15] TRL GRPO quick forms on the tiny model
+    "eval/test_runner.py",
     "integrations/test_trl.py",
     "vllm_plugin/test_unsampleable_rows.py",
-    "hf/test_generate.py",
 )
 
 
