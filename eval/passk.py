@@ -397,7 +397,24 @@ def _bounded_ends(
     low_draws = core / (total + atom[0])  # the atom at lo (0 after rescaling)
     high_draws = (core + atom[1]) / (total + atom[1])  # the atom at hi
     alpha = (1 - level) / 2
-    return min(cp_low, float(np.quantile(low_draws, alpha))), max(cp_high, float(np.quantile(high_draws, 1 - alpha)))
+    return min(cp_low, _quantile(low_draws, alpha)), max(cp_high, _quantile(high_draws, 1 - alpha))
+
+
+def _quantile(x: NDArray[np.float64], q: float) -> float:
+    """``np.quantile(x, q)`` (its default "linear" method, the same arithmetic: the same float) of a
+    finite 1-d array, by a partition around the two order statistics it needs: a tenth of the time
+    at 500 draws, which a ratio's bisections ask for hundreds of times."""
+    n = len(x)
+    index = (n - 1) * q
+    below = int(np.floor(index))
+    if index >= n - 1:
+        return float(np.max(x))
+    if index < 0:
+        return float(np.min(x))
+    a, b = np.partition(x, (below, below + 1))[[below, below + 1]]
+    t = index - below
+    diff = b - a
+    return float(b - diff * (1 - t) if t >= 0.5 else a + diff * t)  # numpy's _lerp
 
 
 def median_interval(values: ArrayLike, *, level: float = 0.95) -> tuple[float, float, float]:

@@ -369,3 +369,13 @@ def test_the_ratio_interval_is_nan_without_problems_and_refuses_bounds_at_zero()
         bounded_ratio_interval([1.0, 2.0], [1.0, 2.0], lo=0, hi=32)
     with pytest.raises(ValueError, match=r"values must lie in \[lo, hi\] = \[1, 32\]"):
         bounded_ratio_interval([1.0, 40.0], [1.0, 2.0], lo=1, hi=32)
+
+
+def test_the_intervals_quantile_is_numpys_to_the_last_bit():
+    from qmc_sampler.eval.passk import _quantile
+
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 3, 40, 500, 501):
+        for x in (rng.standard_normal(n), np.round(rng.standard_normal(n), 1), np.full(n, 0.25)):
+            for q in (0.0, 0.025, 0.5, 0.975, 1.0, float(rng.random())):
+                assert _quantile(x, q) == float(np.quantile(x, q)), (n, q)
