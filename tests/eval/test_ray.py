@@ -181,12 +181,14 @@ def test_the_cli_on_two_replicas_resumes_a_run_loses_no_member_to_a_killed_repli
             assert cli.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
             replicas = alive_replicas()
-        while (written := samples.read_text().count("\n")) <= 2 * 16 and time.monotonic() < deadline:
+        while (written := samples.read_text().count("\n")) <= total // 4 and time.monotonic() < deadline:
             assert cli.poll() is None, log.read_text()[-3000:]
             time.sleep(0.02)
-        # Killed as its first group is written: most of the run to come, so each replica holds batches (up to
-        # 8 of 16 rows at once); every member written once below shows the victim's lost batches ran again.
-        assert len(replicas) == 2 and 2 * 16 < written <= total // 2, (replicas, written)
+        # Killed once a quarter of the rows are written (both replicas have delivered by then: killed at the
+        # first group, the victim had sometimes delivered nothing and its restart came after the survivor had
+        # done the rest, one engine's rows in all) with most of the run to come, so each replica holds batches
+        # (up to 8 of 16 rows at once); every member written once below shows the victim's lost batches ran again.
+        assert len(replicas) == 2 and total // 4 < written <= total // 2, (replicas, written)
         victim = replicas[0]
         kill_process_tree(victim["Pid"])
         assert cli.wait(timeout=600) == 0, log.read_text()[-3000:]
