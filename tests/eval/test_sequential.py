@@ -178,21 +178,7 @@ def _seed(index: int) -> int:
     return prompt_seed(0, index)
 
 
-class Interrupting(HostBackend):
-    """Stops the run after some rounds (the way a killed run does), once."""
-
-    def __init__(self, logits, rounds: int) -> None:
-        super().__init__(logits)
-        self.left = rounds
-
-    def run(self, jobs, on_group):
-        if self.left == 0:
-            raise KeyboardInterrupt
-        self.left -= 1
-        super().run(jobs, on_group)
-
-
-def test_an_interrupted_run_resumes_from_its_file(toy_model, tmp_path):
+def test_an_interrupted_run_resumes_from_its_file(toy_model, tmp_path, interrupting):
     case = toy_case(toy_model)
     logits, _, correct, _ = case
 
@@ -204,7 +190,7 @@ def test_an_interrupted_run_resumes_from_its_file(toy_model, tmp_path):
     whole = sample_until(HostBackend(logits), prompts, verify, **kwargs)
     out = tmp_path / "until.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        sample_until(Interrupting(logits, 2), prompts, verify, out=out, **kwargs)
+        sample_until(interrupting(logits, 2), prompts, verify, out=out, **kwargs)
     written = out.read_text().splitlines()
     assert 0 < len(written) < sum(r.spent for r in whole)
     out.write_text("\n".join(written[:-1]) + "\n" + written[-1][:10])  # a torn last round

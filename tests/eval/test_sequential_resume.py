@@ -34,20 +34,6 @@ def logits(toy_model):
     return next_logits
 
 
-class Interrupting(HostBackend):
-    """Stops the run after some rounds (the way a killed run does)."""
-
-    def __init__(self, logits, rounds: int) -> None:
-        super().__init__(logits)
-        self.left = rounds
-
-    def run(self, jobs, on_group):
-        if self.left == 0:
-            raise KeyboardInterrupt
-        self.left -= 1
-        super().run(jobs, on_group)
-
-
 def view(results):
     """Everything a result says: each prompt's members with their rounds, texts and verdicts."""
     return [(r.index, r.prompt, [(m.round, m.member, m.text, m.correct) for m in r.members]) for r in results]
@@ -84,10 +70,10 @@ def test_a_finished_file_is_refused_to_another_run_naming_what_differs(logits, t
     assert out.read_text() == before  # nothing read into the other run, nothing appended
 
 
-def test_an_interrupted_run_resumed_with_another_seed_is_refused(logits, tmp_path):
+def test_an_interrupted_run_resumed_with_another_seed_is_refused(logits, tmp_path, interrupting):
     out = tmp_path / "until.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        sample_until(Interrupting(logits, 1), PROMPTS, verify, out=out, **SETTINGS)
+        sample_until(interrupting(logits, 1), PROMPTS, verify, out=out, **SETTINGS)
     before = out.read_text()
     assert before  # one round of every prompt
     with pytest.raises(ValueError, match=r"seed=0, not 7\)"):
@@ -97,12 +83,12 @@ def test_an_interrupted_run_resumed_with_another_seed_is_refused(logits, tmp_pat
 
 @pytest.mark.parametrize("mode", ["first", "unbiased"])
 @pytest.mark.parametrize("rounds", [1, 2])
-def test_an_interrupted_run_resumed_as_itself_is_the_uninterrupted_run(logits, tmp_path, mode, rounds):
+def test_an_interrupted_run_resumed_as_itself_is_the_uninterrupted_run(logits, tmp_path, mode, rounds, interrupting):
     whole_out, out = tmp_path / "whole.jsonl", tmp_path / "until.jsonl"
     settings = SETTINGS | {"mode": mode, "seed": 3, "order": "sorted"}
     whole = sample_until(HostBackend(logits), PROMPTS, verify, out=whole_out, **settings)
     with pytest.raises(KeyboardInterrupt):
-        sample_until(Interrupting(logits, rounds), PROMPTS, verify, out=out, **settings)
+        sample_until(interrupting(logits, rounds), PROMPTS, verify, out=out, **settings)
     written = out.read_text().splitlines()
     assert 0 < len(written) < sum(r.spent for r in whole)
     out.write_text("\n".join(written[:-1]) + "\n" + written[-1][:10])  # a torn last round
@@ -170,11 +156,11 @@ def test_a_verifier_is_recorded_by_its_qualified_name():
     )
 
 
-def test_another_runs_torn_file_is_refused_as_it_is(logits, tmp_path):
+def test_another_runs_torn_file_is_refused_as_it_is(logits, tmp_path, interrupting):
     # Its torn last line may be that run's write in progress: refused first, cut only for its own run.
     out = tmp_path / "until.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        sample_until(Interrupting(logits, 1), PROMPTS, verify, out=out, **SETTINGS)
+        sample_until(interrupting(logits, 1), PROMPTS, verify, out=out, **SETTINGS)
     written = out.read_text().splitlines()
     out.write_text("\n".join(written[:-1]) + "\n" + written[-1][:10])
     before = out.read_text()
