@@ -151,8 +151,9 @@ def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_mo
     # correct member's round. The verifier (a regex) passes some of the tiny model's texts, not all.
     # Texts are compared with the reference loop's (transformers, one prefix at a time): the engine's
     # batched logits differ from those in the last bits, and the carry can turn that into another
-    # token a few steps on; so a member or two may part from its reference text, never most of them
-    # (a member sent with another's index shares its reference's text only by chance).
+    # token a few steps on; so one member in ten (at least one) may part from its reference text after
+    # its first character, never more (a member sent with another's index shares its reference's
+    # text only by chance).
     from qmc_sampler.eval.cli import main as cli_main
 
     task_file = tmp_path / "t.jsonl"
@@ -191,7 +192,9 @@ def test_until_correct_grows_each_group_in_rounds_of_its_true_members(llm, hf_mo
         scores = [r["score"] for r in mine]
         first = scores.index(True) + 1 if True in scores else None
         assert len(mine) == (8 if first is None else -(-first // 2) * 2)
-    assert checked >= 6 and len(parted) <= max(1, checked // 10), (checked, parted)
+    assert len(parted) <= max(1, checked // 10), (checked, parted)
+    assert all(text[:1] == expected[:1] for *_, text, expected in parted), parted  # parted later, not at once
+    assert any(r["round"] >= 1 for r in records if r["sampler"] == "lattice")  # later rounds were checked too
     assert {r["sampler"] for r in records} == {"iid", "lattice"}
     assert any(r["score"] for r in records) and not all(r["score"] for r in records)
     assert cli_main(["score", cfg.out, "--resamples", "200"]) == 0
