@@ -29,8 +29,8 @@ REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai", "ray")
 #: (``--dist loadgroup`` would let the quick forms and mutants spread test by test, but
 #: pytest-xdist 3.8 cannot rename pytest 9.2's node ids, so its groups are ignored.)
 COSTLIEST_FIRST = (
-    "eval/test_ray.py",  # [~260] one Ray cluster; the CLI's two replicas, the recipes' replicas, Ray Serve
-    "benchmarks/test_quick_forms.py",  # [180] each quick form starts its own servers
+    "eval/test_ray.py",  # [~300] one Ray cluster; the CLI's two replicas, the recipes' four, Ray Serve
+    "benchmarks/test_quick_forms.py",  # [150] each quick form starts its own servers
     "vllm_plugin/test_vllm_openai_server.py",  # [70] two servers
     "mutation/test_mutants.py",  # [70] a pytest per mutant, some with an engine
     "eval/test_endpoints.py",  # [60] two replicas, a third for the SIGTERM test; the until-correct recipe

@@ -68,16 +68,17 @@ def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_cor
     assert "burst: only the expected 429s" in done.stdout
 
 
-def test_the_fleet_scaling_quick_form_runs_both_backends(tiny_model_dir, engine_core_env, warm_python):
+def test_the_fleet_scaling_quick_form_runs_the_endpoint_fleet(tiny_model_dir, engine_core_env, warm_python):
     pytest.importorskip("ray.data.llm", reason="ray extra not installed")
-    # The --endpoint fleet on 1 and 2 replicas, side by side, and the Ray backend on 1.
+    # The --endpoint fleet on 1 and 2 replicas, side by side; no Ray run in the quick form (the Ray
+    # backend's replicas are tests/eval/test_ray.py's).
     done = quick(warm_python, "fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
     table = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["--endpoint"], ["--ray"])]
     rows = [(row[0], row[1]) for row in table]
-    assert rows == [("--endpoint", "1"), ("--endpoint", "2"), ("--ray", "1")], done.stdout
+    assert rows == [("--endpoint", "1"), ("--endpoint", "2")], done.stdout
     assert re.search(r"^ratio 2 / 1 replicas, --endpoint: \d+\.\d\dx groups/s$", done.stdout, re.MULTILINE), done.stdout
-    assert "ratio 2 / 1 replicas, --ray: not measured (replicas [1])" in done.stdout
+    assert "ratio 2 / 1 replicas, --ray: not measured (replicas [])" in done.stdout
 
 
 def test_the_fleet_scaling_replica_counts_are_checked_before_any_server_starts(warm_python):
