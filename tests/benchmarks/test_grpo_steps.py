@@ -24,12 +24,9 @@ STEPS, PROMPTS, G = 2, 2, 4  # the script's --quick sizes
 
 
 @pytest.fixture(scope="module")
-def grpo():
+def grpo(benchmark_script):
     """The script as a module (importing it runs nothing: numpy only)."""
-    spec = importlib.util.spec_from_file_location("grpo_steps_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("grpo_steps")
 
 
 def grpo_steps(warm_python, *argv: str):

@@ -2,10 +2,8 @@
 at its first occurrence, in the order drawn, and the one-line refusals (the quick form that runs
 both paths is tests/benchmarks/test_quick_forms.py's)."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,16 +11,11 @@ pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed")
 
 from qmc_sampler.eval.tasks import get_task
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rollout_diversity.py"
-
 
 @pytest.fixture(scope="module")
-def rollout():
+def rollout(benchmark_script):
     """The script as a module (importing it runs nothing)."""
-    spec = importlib.util.spec_from_file_location("rollout_diversity_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("rollout_diversity")
 
 
 def test_distinct_problems_keep_the_order_drawn_and_each_prompts_first_problem(rollout, tmp_path, capsys):
