@@ -17,6 +17,9 @@ import warnings
 
 from setuptools import find_packages, setup
 
+#: The file beside the built kernel naming the torch it was built against (qmc_sampler.kernels reads it).
+TORCH_RECORD = "_C.built_with_torch"
+
 SUBPACKAGES = {
     "vllm_engine": "vllm_engine", "vllm_plugin": "vllm_plugin", "server": "server", "eval": "eval", "hf": "hf"
 }
@@ -53,6 +56,20 @@ def _extensions() -> tuple[list, dict]:
                 super().build_extension(ext)
             except Exception as e:  # a missing or failing compiler must not break the install
                 warnings.warn(f"qmc-sampler: building {ext.name} failed ({e}); using the pure-torch path", stacklevel=1)
+                return
+            # The record the loader reads before it loads the .so (qmc_sampler.kernels): loading a library
+            # built against another torch's C++ ABI can already fail or crash, before any check inside it.
+            record = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), TORCH_RECORD)
+            with open(record, "w") as f:
+                f.write(torch.__version__ + "\n")
+
+        def copy_extensions_to_source(self):
+            # An editable or in-place build copies each .so into the source tree; its record goes with it.
+            super().copy_extensions_to_source()
+            for built, placed in self.get_output_mapping().items():
+                record = os.path.join(os.path.dirname(built), TORCH_RECORD)
+                if os.path.isfile(record):
+                    self.copy_file(record, os.path.join(os.path.dirname(placed), TORCH_RECORD))
 
     ext = CppExtension(
         "qmc_sampler._C", ["csrc/cpu_sampling.cpp"], extra_compile_args=flags, extra_link_args=["-fopenmp"]
@@ -68,6 +85,8 @@ setup(
         "qmc_sampler",
         *(f"qmc_sampler.{name}" for name in find_packages("qmc_sampler")),
         *(f"qmc_sampler.{name}" for name in SUBPACKAGES),
+        # A door's own rooms (qmc_sampler.eval.stats, …), found in its folder.
+        *(f"qmc_sampler.{name}.{sub}" for name, folder in SUBPACKAGES.items() for sub in find_packages(folder)),
     ],
     package_dir={"qmc_sampler": "qmc_sampler", **{f"qmc_sampler.{k}": v for k, v in SUBPACKAGES.items()}},
     ext_modules=ext_modules,

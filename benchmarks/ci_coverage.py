@@ -8,7 +8,8 @@ codes, ``iid`` fresh uniforms) falls in [0, p) — a one-step model whose correc
 in the vocabulary, so a size-k lattice's pass@k is min(1, k·p). The same groups are read as a run of
 ``qmc-eval run --until-correct 1`` with the cap N (its ``first`` mode draws one group of 32 and
 stops at the first correct member). Every figure is then scored by the report's own functions
-(:func:`qmc_sampler.eval.report.summarize`, :func:`qmc_sampler.eval.until_report.summarize_until`),
+(:func:`qmc_sampler.eval.reports.passk_report.summarize`,
+:func:`qmc_sampler.eval.reports.until_report.summarize_until`),
 and each printed interval is checked against the population value:
 
 * ``pass@k`` (k = 1 … 32): i.i.d. 1 − E[(1 − p)^k]; lattice E[min(1, k·p)];
@@ -19,11 +20,11 @@ and each printed interval is checked against the population value:
   samplers solve (conditional on that, from the distribution of the first correct member);
 * the ratios lattice / i.i.d. of those two means (the bounded-mean test inverted on L − r·I);
 * ``samples saved @k``: how many fewer samples than k the lattice needs to reach i.i.d.'s pass@k,
-  from the population curves (:func:`qmc_sampler.eval.passk.samples_saved`); its coverage counts the
+  from the population curves (:func:`qmc_sampler.eval.stats.passk.samples_saved`); its coverage counts the
   replications that print a figure (``printed``: how many did).
 
 Population values are integrals over p on 2^16 Beta quantiles spaced to resolve the tails
-(:func:`quantile_grid`; tests/eval/test_ci_coverage.py checks them against closed forms and quadrature).
+(:func:`quantile_grid`; tests/benchmarks/test_ci_coverage.py checks them against closed forms and quadrature).
 
     python benchmarks/ci_coverage.py [--reps 1000] [--problems 48] [--resamples 1000] [--populations hard,mixed,easy]
         [--figures ratio]
@@ -38,10 +39,10 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from qmc_sampler.eval.passk import samples_saved
-from qmc_sampler.eval.report import summarize
-from qmc_sampler.eval.samples import ProblemGroups
-from qmc_sampler.eval.until_report import summarize_until
+from qmc_sampler.eval.reports.passk_report import summarize
+from qmc_sampler.eval.reports.until_report import summarize_until
+from qmc_sampler.eval.runs.samples import ProblemGroups
+from qmc_sampler.eval.stats.passk import samples_saved
 from scipy import stats
 
 from qmc_sampler import get_design, radical_inverse

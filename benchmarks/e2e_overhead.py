@@ -34,7 +34,7 @@ def main() -> None:
         args.prompts, args.n, args.max_tokens, args.rounds = 2, 4, 8, 1
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from qmc_sampler.eval.runner import build_engine
+    from qmc_sampler.eval.runs.runner import build_engine
     from vllm import SamplingParams
 
     from qmc_sampler.cpu_defaults import describe_cpu

@@ -6,8 +6,8 @@ same jobs:
 
 * ``--endpoint``: two vLLM OpenAI servers with the plugin on loopback, each pinned to
   its own core (``VLLM_CPU_OMP_THREADS_BIND``), driven by
-  :class:`~qmc_sampler.eval.endpoints.EndpointBackend` — first one endpoint, then both;
-* ``--ray``: Ray Data's vLLM stage (:class:`~qmc_sampler.eval.ray_backend.RayBackend`) on a
+  :class:`~qmc_sampler.eval.backends.endpoints.EndpointBackend` — first one endpoint, then both;
+* ``--ray``: Ray Data's vLLM stage (:class:`~qmc_sampler.eval.backends.ray_backend.RayBackend`) on a
   local Ray cluster, 1 then 2 replicas of one CPU each (``OMP_NUM_THREADS=1``, unbound threads).
 
 The servers are stopped before the Ray runs, so each run has the cores to itself. Prints
@@ -22,7 +22,7 @@ CPUs: see the reproducibility section of docs/designs.md).
 
 ``--quick`` (2 problems, n = 4, 8 tokens) checks that it runs: both endpoint runs, and no Ray run
 unless ``--ray-replicas`` is given (a Ray run is mostly its replicas' start-up, ~30 s of CPU each
-on a 2-core CPU; the Ray backend's own test, ``tests/eval/test_ray.py``, starts three); a ratio not
+on a 2-core CPU; the Ray backend's own test, ``tests/eval/backends/test_ray.py``, starts three); a ratio not
 measured is said so.
 """
 
@@ -101,11 +101,11 @@ def main() -> int:
     if args.ray_replicas is None:
         args.ray_replicas = () if args.quick else (1, 2)
     import torch
-    from qmc_sampler.eval.endpoints import EndpointBackend
-    from qmc_sampler.eval.ray_backend import RayBackend
-    from qmc_sampler.eval.ray_plan import SPARE_CPUS
-    from qmc_sampler.eval.runner import RunConfig, group_seed, jobs_for
-    from qmc_sampler.eval.tasks import get_task
+    from qmc_sampler.eval.backends.endpoints import EndpointBackend
+    from qmc_sampler.eval.backends.ray_backend import RayBackend
+    from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS
+    from qmc_sampler.eval.runs.runner import RunConfig, group_seed, jobs_for
+    from qmc_sampler.eval.tasks.catalog import get_task
 
     from qmc_sampler.cpu_defaults import describe_cpu, engine_block_size, engine_dtype
     from qmc_sampler.models import resolve_model

@@ -842,7 +842,7 @@ VLLM_WARNING = (
 def main(argv: list[str] | None = None) -> int:
     """Run the missing (design, seed) runs (or ``--only``'s), seed by seed, then report. Returns the exit code."""
     args, p = parse_args(argv)
-    from qmc_sampler.eval.tasks import get_task
+    from qmc_sampler.eval.tasks.catalog import get_task
 
     try:
         task = get_task(args.task)

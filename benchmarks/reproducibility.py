@@ -43,8 +43,8 @@ def main() -> None:
     if args.quick:
         args.problems, args.n, args.max_tokens = 2, 4, 8
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from qmc_sampler.eval.runner import build_engine, shutdown_engine
-    from qmc_sampler.eval.tasks import get_task
+    from qmc_sampler.eval.runs.runner import build_engine, shutdown_engine
+    from qmc_sampler.eval.tasks.catalog import get_task
     from vllm import SamplingParams
 
     from qmc_sampler.cpu_defaults import describe_cpu

@@ -67,7 +67,7 @@ def main() -> None:
     if unknown:
         p.error(f"--backend {unknown[0]!r} is not a backend; use vllm, hf or both")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from qmc_sampler.eval.tasks import get_task
+    from qmc_sampler.eval.tasks.catalog import get_task
 
     from qmc_sampler.cpu_defaults import describe_cpu
     from qmc_sampler.models import resolve_model
@@ -150,8 +150,8 @@ def _cut(text: str, stop: tuple[str, ...]) -> str:
 
 
 def _run_vllm(args, model, task, problems, sizes, max_tokens, collect: Collect) -> str:
-    from qmc_sampler.eval.generation import GroupJob, InProcessBackend
-    from qmc_sampler.eval.runner import build_engine, group_seed, shutdown_engine
+    from qmc_sampler.eval.backends.generation import GroupJob, InProcessBackend
+    from qmc_sampler.eval.runs.runner import build_engine, group_seed, shutdown_engine
 
     llm, where = build_engine(model, args.dtype)
     sampling = {"temperature": args.temperature, "max_tokens": max_tokens, "stop": list(task.stop)}

@@ -3,7 +3,7 @@
 For every design and both modes of :func:`qmc_sampler.eval.sample_until` (``first``: one
 group, the first correct member; ``unbiased``: a group per round, every correct member),
 the returned samples of ``--prompts`` prompts are compared with p(· | correct) by the
-per-prompt Wald χ² and the total variation of tests/eval/test_sequential.py (whose models
+per-prompt Wald χ² and the total variation of tests/eval/runs/test_sequential.py (whose models
 and statistic this script runs): the toy of tests/conftest.py (vocabulary 4, three steps,
 correct where the tokens sum to 0 mod 3; cap 4, rounds of 2) and the constructed one-step
 case (probabilities .05/.45/.45/.05, tokens 0 and 2 correct; cap 2, rounds of 1).

@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from qmc_sampler.eval.report import as_json, format_table, plot, summarize
-from qmc_sampler.eval.samples import SampleFileError, correct_arrays, read_samples
-from qmc_sampler.eval.tasks import JSONL_PREFIX, TASKS
+from qmc_sampler.eval.reports.passk_report import as_json, format_table, plot, summarize
+from qmc_sampler.eval.runs.samples import SampleFileError, correct_arrays, read_samples
+from qmc_sampler.eval.tasks.catalog import JSONL_PREFIX, TASKS
 
 from qmc_sampler.cpu_defaults import DTYPES
 from qmc_sampler.designs import METHODS
@@ -160,8 +160,8 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from qmc_sampler.eval.runner import RunConfig, RunError, check_resumable, run
-    from qmc_sampler.eval.tasks import get_task
+    from qmc_sampler.eval.runs.runner import RunConfig, RunError, check_resumable, run
+    from qmc_sampler.eval.tasks.catalog import get_task
 
     from qmc_sampler.reference import validate_sampling
 
@@ -227,7 +227,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Then the backend: endpoints are asked, a cluster joined, and only then a model converted.
     backend = None
     if args.endpoint:
-        from qmc_sampler.eval.endpoints import EndpointBackend, EndpointError
+        from qmc_sampler.eval.backends.endpoints import EndpointBackend, EndpointError
 
         api_key = args.api_key or os.environ.get("QMC_EVAL_API_KEY")
         backend = EndpointBackend(args.endpoint, args.served_model, api_key, args.concurrency or 32)
@@ -238,7 +238,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except (EndpointError, RunError) as e:
             _fail(str(e))
     if args.ray is not None:
-        from qmc_sampler.eval.ray_backend import DEFAULT_REPLICAS, RayBackend
+        from qmc_sampler.eval.backends.ray_backend import DEFAULT_REPLICAS, RayBackend
 
         # args.model None: the default model, converted by connect() once the cluster has been checked.
         replicas, device = args.replicas or DEFAULT_REPLICAS, args.ray_device or "auto"
@@ -269,9 +269,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_on_ray(config: Any, backend: Any, task: Any, log: Path, progress: bool) -> int:
     """``run --ray``: Ray's and vLLM's output go to ``log``, the progress bar and the table stay readable."""
+    from qmc_sampler.eval.backends.ray_backend import RayBackendError
     from qmc_sampler.eval.console import engine_output_to
-    from qmc_sampler.eval.ray_backend import RayBackendError
-    from qmc_sampler.eval.runner import RunError, run
+    from qmc_sampler.eval.runs.runner import RunError, run
 
     failure = None
     try:
@@ -297,8 +297,8 @@ def _run_on_ray(config: Any, backend: Any, task: Any, log: Path, progress: bool)
 
 def _check_until(args: argparse.Namespace) -> None:
     """``--until-correct``'s options, alone and with the others (one line, exit code 2)."""
-    from qmc_sampler.eval.runner import ROUND_SIZE
-    from qmc_sampler.eval.sequential import check_until, sequential_designs
+    from qmc_sampler.eval.runs.runner import ROUND_SIZE
+    from qmc_sampler.eval.runs.sequential import check_until, sequential_designs
 
     if args.until_correct is None:
         if args.round_size is not None:
@@ -322,7 +322,7 @@ def _check_until(args: argparse.Namespace) -> None:
 
 
 def _table(records: list[dict[str, Any]], source: str) -> str:
-    from qmc_sampler.eval.until_report import format_until, is_until, summarize_until
+    from qmc_sampler.eval.reports.until_report import format_until, is_until, summarize_until
 
     if is_until(records):
         return format_until(summarize_until(records))
@@ -336,7 +336,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         _fail(f"{source} is not an output folder of `qmc-eval run`")
     if not path.is_file():
         _fail(f"{path} does not exist")
-    from qmc_sampler.eval.until_report import format_until, is_until, summarize_until, until_as_json
+    from qmc_sampler.eval.reports.until_report import format_until, is_until, summarize_until, until_as_json
 
     try:
         records = read_samples(path)

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from qmc_sampler.eval.console import Console, engine_output_to
-from qmc_sampler.eval.report import as_json, format_table, plot, summarize
-from qmc_sampler.eval.runner import RunConfig, build_engine, run, shutdown_engine
-from qmc_sampler.eval.samples import correct_arrays, read_samples
+from qmc_sampler.eval.reports.passk_report import as_json, format_table, plot, summarize
+from qmc_sampler.eval.runs.runner import RunConfig, build_engine, run, shutdown_engine
+from qmc_sampler.eval.runs.samples import correct_arrays, read_samples
 
 from qmc_sampler.models import DEFAULT_MODEL_NAME, default_model_dir
 

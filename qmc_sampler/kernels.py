@@ -53,16 +53,47 @@ def _cpp_kernel():  # -> module | None, with the reason logged/warned once
     try:
         if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and os.uname().machine == "x86_64":
             raise ImportError("this CPU has no AVX2")
+        _check_kernel_record()  # before the .so is loaded: loading another torch's C++ ABI can crash
         from qmc_sampler import _C
 
-        built_with = getattr(_C, "built_with_torch", "unknown")
-        if built_with != torch.__version__:  # another torch's C++ ABI: its first call could fail or crash
-            raise ImportError(f"it was built against torch {built_with}, this is torch {torch.__version__}; "
-                              "reinstall qmc-llm-sampler to rebuild it (pip install --no-build-isolation)")  # fmt: skip
+        built_with = getattr(_C, "built_with_torch", "unknown")  # the same, as compiled in (a stale record)
+        if built_with != torch.__version__:
+            raise ImportError(_rebuild(f"it was built against torch {built_with}"))
     except ImportError as e:
         warnings.warn(f"qmc-sampler: fused CPU kernel unavailable ({e}); using the pure-torch path", stacklevel=3)
         return None
     return _C
+
+
+#: setup.py's record beside the built kernel: the torch version it was built against, one line.
+KERNEL_RECORD = "_C.built_with_torch"
+
+
+def _rebuild(reason: str) -> str:
+    return (f"{reason}, this is torch {torch.__version__}; "
+            "reinstall qmc-llm-sampler to rebuild it (pip install --no-build-isolation)")  # fmt: skip
+
+
+def _check_kernel_record() -> None:
+    """Refuse the fused kernel, without loading it, unless the record beside its ``.so`` names this torch.
+
+    Raises:
+        ImportError: no kernel was built (no ``.so``), or its record is missing, unreadable or names
+            another torch.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("qmc_sampler._C")  # finds the file; loads nothing
+    if spec is None or not spec.origin:
+        raise ImportError("no kernel was built (no qmc_sampler._C)")
+    record = Path(spec.origin).with_name(KERNEL_RECORD)
+    try:
+        built_with = record.read_text().strip()
+    except OSError:
+        raise ImportError(_rebuild(f"{record} is missing, so the torch it was built against is unknown")) from None
+    if built_with != torch.__version__:
+        raise ImportError(_rebuild(f"it was built against torch {built_with} ({record})"))
 
 
 @contextlib.contextmanager

@@ -29,17 +29,17 @@ REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai", "ray")
 #: (``--dist loadgroup`` would let the quick forms and mutants spread test by test, but
 #: pytest-xdist 3.8 cannot rename pytest 9.2's node ids, so its groups are ignored.)
 COSTLIEST_FIRST = (
-    "eval/test_ray.py",  # [~300] one Ray cluster; the CLI's two replicas, the recipes' four, Ray Serve
+    "eval/backends/test_ray.py",  # [~300] one Ray cluster; the CLI's two replicas, the recipes' four, Ray Serve
     "benchmarks/test_quick_forms.py",  # [150] each quick form starts its own servers
     "vllm_plugin/test_vllm_openai_server.py",  # [70] two servers
     "mutation/test_mutants.py",  # [70] a pytest per mutant, some with an engine
-    "eval/test_endpoints.py",  # [60] two replicas, a third for the SIGTERM test; the until-correct recipe
+    "eval/backends/test_endpoints.py",  # [60] two replicas, a third for the SIGTERM test; the until-correct recipe
     "benchmarks/test_gpu_check.py",  # [45] make gpu-check's dry run
     "core/test_triton_kernel.py",  # [40] the kernel under Triton's interpreter, in a pytest of its own
-    "eval/test_ci_coverage.py",  # [40]
+    "benchmarks/test_ci_coverage.py",  # [40]
     "server/test_data_parallel.py",  # [35]
     "vllm_plugin/test_inactive_paths.py",  # [30]
-    "eval/test_ray_driver.py",  # [25]
+    "eval/backends/test_ray_driver.py",  # [25]
     "server/test_server.py",  # [25]
     "vllm_plugin/test_release_layouts.py",  # [20]
     "test_docs.py",  # [20] a fresh Python per Python block of README.md and docs/, two with a vLLM engine
@@ -48,7 +48,7 @@ COSTLIEST_FIRST = (
     "hf/test_generate.py",
     "server/test_production.py",
     "benchmarks/test_grpo_steps.py",  # [15] TRL GRPO quick forms on the tiny model
-    "eval/test_runner.py",
+    "eval/runs/test_runner.py",
     "integrations/test_trl.py",
     "vllm_plugin/test_unsampleable_rows.py",
 )

@@ -142,7 +142,7 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 def committed_reports():
     """``make run``'s pass@k table (``docs/results/passk.json``, from ``as_json``) as the reports ``plot`` draws."""
-    from qmc_sampler.eval.report import SamplerReport
+    from qmc_sampler.eval.reports.passk_report import SamplerReport
 
     return [
         SamplerReport(
@@ -160,7 +160,7 @@ def committed_reports():
 
 def test_the_readme_plot_is_redrawn_from_the_committed_result(tmp_path):
     from qmc_sampler.eval.main_job import CONFIG
-    from qmc_sampler.eval.report import plot
+    from qmc_sampler.eval.reports.passk_report import plot
 
     from qmc_sampler.models import DEFAULT_MODEL_NAME
 
@@ -174,8 +174,8 @@ def test_the_committed_table_is_the_committed_samples_and_the_readme_quotes_it()
     """The table's estimates are what ``make run``'s ``summarize`` gives for the committed samples (its
     bootstrap intervals, 2,000 resamples, are taken as committed: recomputing them takes 25 s), and
     the README's headline figure is the table's."""
-    from qmc_sampler.eval.report import as_json, summarize
-    from qmc_sampler.eval.samples import correct_arrays, read_samples
+    from qmc_sampler.eval.reports.passk_report import as_json, summarize
+    from qmc_sampler.eval.runs.samples import correct_arrays, read_samples
 
     fresh = as_json(
         summarize(correct_arrays(read_samples(RESULTS / "samples.jsonl"), source=str(RESULTS)), resamples=50)

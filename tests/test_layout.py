@@ -186,3 +186,69 @@ def test_the_core_imports_no_door_no_vllm_engine_and_no_vllm():
 
 def test_every_part_of_the_namespace_is_a_door_the_core_or_shared(package_folders):
     assert set(package_folders) == {"qmc_sampler", *(f"qmc_sampler.{name}" for name in (*DOORS, *SHARED))}
+
+
+#: ``qmc_sampler.eval``'s rooms → the rooms each may import besides itself (eval/__init__.py says why);
+#: the front (the CLI, its console, the main job) may import every room, and no room imports the front.
+EVAL_ROOMS: dict[str, set[str]] = {
+    "stats": set(),
+    "tasks": set(),
+    "backends": set(),
+    "runs": {"backends", "tasks"},
+    "reports": {"stats", "runs"},
+}
+EVAL_FRONT = ("__init__.py", "__main__.py", "cli.py", "console.py", "main_job.py")
+
+
+def eval_room_crossings(root: Path, folder: str = "eval") -> dict[str, list[str]]:
+    """The imports of each eval room's files (``root/folder/ROOM/…``) into a part of ``qmc_sampler.eval``
+    the room may not import (:data:`EVAL_ROOMS`), or — for ``stats`` — into any of ``qmc_sampler``, by file."""
+    found = {}
+    for room, allowed in EVAL_ROOMS.items():
+        for path in sorted((root / folder / room).rglob("*.py")):
+            inner = path.relative_to(root / folder).parent.parts
+            names = imported(path, ".".join(["qmc_sampler.eval", *inner]))
+            bad = []
+            for name in names:
+                pieces = name.split(".")
+                if room == "stats" and pieces[0] == "qmc_sampler" and pieces[:3] != ["qmc_sampler", "eval", "stats"]:
+                    bad.append(name)  # the statistics stand alone: nothing of the package
+                elif name == UNRESOLVED or (pieces[:2] == ["qmc_sampler", "eval"] and
+                                            (len(pieces) < 3 or pieces[2] not in {room, *allowed})):  # fmt: skip
+                    bad.append(name)
+            if bad:
+                found[str(path.relative_to(root))] = sorted(bad)
+    return found
+
+
+def test_eval_room_crossings_are_found_in_a_tree_laid_out_as_eval(tmp_path):
+    for room in EVAL_ROOMS:
+        (tmp_path / "eval" / room).mkdir(parents=True)
+    (tmp_path / "eval" / "runs" / "ok.py").write_text(
+        "from qmc_sampler.eval.backends.generation import GroupJob\n"
+        "from ..tasks import get_task\nfrom . import samples\n"
+    )
+    (tmp_path / "eval" / "runs" / "up.py").write_text(
+        "def f():\n    from qmc_sampler.eval.reports import until_report\n"
+    )
+    (tmp_path / "eval" / "reports" / "front.py").write_text("from qmc_sampler.eval import cli\n")
+    (tmp_path / "eval" / "stats" / "core.py").write_text("import numpy\nfrom qmc_sampler.designs import METHODS\n")
+    (tmp_path / "eval" / "tasks" / "engine.py").write_text("from qmc_sampler.eval.backends import generation\n")
+    assert eval_room_crossings(tmp_path) == {
+        "eval/reports/front.py": ["qmc_sampler.eval", "qmc_sampler.eval.cli"],
+        "eval/runs/up.py": ["qmc_sampler.eval.reports", "qmc_sampler.eval.reports.until_report"],
+        "eval/stats/core.py": ["qmc_sampler.designs", "qmc_sampler.designs.METHODS"],
+        "eval/tasks/engine.py": ["qmc_sampler.eval.backends", "qmc_sampler.eval.backends.generation"],
+    }
+
+
+def test_each_eval_room_imports_only_the_rooms_below_it(package_folders):
+    assert not eval_room_crossings(ROOT, package_folders["qmc_sampler.eval"])
+
+
+def test_every_eval_module_is_in_a_room_or_the_front(package_folders):
+    folder = ROOT / package_folders["qmc_sampler.eval"]
+    loose = sorted(p.name for p in folder.glob("*.py") if p.name not in EVAL_FRONT)
+    rooms = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert not loose and rooms == sorted(EVAL_ROOMS), (loose, rooms)
+    assert all((folder / room / "__init__.py").is_file() for room in EVAL_ROOMS)

@@ -71,7 +71,7 @@ def test_the_server_load_quick_form_runs_both_servers(tiny_model_dir, engine_cor
 def test_the_fleet_scaling_quick_form_runs_the_endpoint_fleet(tiny_model_dir, engine_core_env, warm_python):
     pytest.importorskip("ray.data.llm", reason="ray extra not installed")
     # The --endpoint fleet on 1 and 2 replicas, side by side; no Ray run in the quick form (the Ray
-    # backend's replicas are tests/eval/test_ray.py's).
+    # backend's replicas are tests/eval/backends/test_ray.py's).
     done = quick(warm_python, "fleet_scaling.py", tiny_model_dir, engine_core_env | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert "\nCPU: " in "\n" + done.stdout and "every group complete: True" in done.stdout, done.stdout
     table = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["--endpoint"], ["--ray"])]

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed")
 
-from qmc_sampler.eval.tasks import get_task
+from qmc_sampler.eval.tasks.catalog import get_task
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ tolerance of u (u within float rounding of an interval edge). Interval starts an
 widths must match the reference to the same tolerance.
 """
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -218,6 +220,39 @@ def test_the_kernel_is_used_only_under_the_torch_it_was_built_against(monkeypatc
         monkeypatch.undo()
         kernels._cpp_kernel.cache_clear()
     assert kernels._cpp_kernel() is _C
+
+
+@cpp
+@pytest.mark.parametrize("record", ["2.11.0+cpu\n", None], ids=["another-torch", "no-record"])
+def test_the_kernel_is_refused_by_its_record_before_its_library_is_loaded(monkeypatch, tmp_path, record):
+    # setup.py writes the torch it built against beside the .so; a record naming another torch, or none,
+    # refuses the kernel before the import that would load another torch's C++ ABI.
+    import importlib.util
+    import shutil
+    import sys
+
+    from qmc_sampler import kernels
+
+    real = importlib.util.find_spec("qmc_sampler._C")
+    assert (pathlib.Path(real.origin).with_name(kernels.KERNEL_RECORD)).read_text().strip() == torch.__version__
+    fake_origin = tmp_path / pathlib.Path(real.origin).name
+    shutil.copy(real.origin, fake_origin)
+    if record is not None:
+        fake_origin.with_name(kernels.KERNEL_RECORD).write_text(record)
+    fake = importlib.util.spec_from_file_location("qmc_sampler._C", fake_origin)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "qmc_sampler._C" else None)
+    monkeypatch.delitem(sys.modules, "qmc_sampler._C", raising=False)
+    monkeypatch.delattr("qmc_sampler._C", raising=False)
+    kernels._cpp_kernel.cache_clear()
+    try:
+        match = r"built against torch 2\.11\.0\+cpu \(" if record else r"is missing, so the torch it was built"
+        with pytest.warns(UserWarning, match=match):
+            assert kernels._cpp_kernel() is None
+        assert "qmc_sampler._C" not in sys.modules  # refused before `from qmc_sampler import _C`
+    finally:
+        monkeypatch.undo()
+        kernels._cpp_kernel.cache_clear()
+    assert kernels._cpp_kernel() is not None
 
 
 @cpp

@@ -7,7 +7,7 @@ import pytest
 def interrupting():
     """``interrupting(logits, rounds)``: a :class:`HostBackend` that stops a run with KeyboardInterrupt
     after ``rounds`` rounds (the way a killed run stops), once."""
-    from qmc_sampler.eval.sequential import HostBackend
+    from qmc_sampler.eval.runs.sequential import HostBackend
 
     class Interrupting(HostBackend):
         def __init__(self, logits, rounds: int) -> None:

@@ -165,7 +165,7 @@ def test_bad_run_options_are_refused_before_the_default_model_is_converted(
     pytest.importorskip("reasoning_gym", reason="eval extra not installed")
     other, garbled = tmp_path / "other", tmp_path / "garbled"
     other.mkdir()
-    from qmc_sampler.eval.runner import RunConfig
+    from qmc_sampler.eval.runs.runner import RunConfig
 
     settings = RunConfig("basic_arithmetic", ("iid", "lattice"), n=8, groups=1, problems=1, out="").identity()
     (other / "run.json").write_text(json.dumps(settings))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from qmc_sampler.eval.cli import main
-from qmc_sampler.eval.sequential import HostBackend, sample_until
+from qmc_sampler.eval.runs.sequential import HostBackend, sample_until
 
 BASE = ["run", "--task", "basic_arithmetic", "--problems", "2", "--n", "8"]
 

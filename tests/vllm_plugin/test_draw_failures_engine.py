@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed")
-from qmc_sampler.eval.generation import DrawFailedError, GroupJob, InProcessBackend
+from qmc_sampler.eval.backends.generation import DrawFailedError, GroupJob, InProcessBackend
 
 from qmc_sampler import kernels
 

@@ -1,0 +1,9 @@
+"""The statistics of pass@k evaluation: pure numpy/scipy, no I/O, no engine.
+
+:mod:`~qmc_sampler.eval.stats.passk` holds the estimators (unbiased pass@k of i.i.d. and designed
+groups, the union bound, samples saved) and their intervals (bounded-mean bootstrap, exact binomial,
+the ratio's inverted test, the median's order-statistic interval).
+
+May import: the standard library, numpy and scipy only — nothing else of ``qmc_sampler``, so every
+other room (reports, benchmarks) can take its figures from here.
+"""
