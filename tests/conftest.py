@@ -54,6 +54,37 @@ COSTLIEST_FIRST = (
 )
 
 
+#: The slow tier: modules whose start-ups (Ray replicas, several servers, a pytest per mutant, make
+#: gpu-check's dry run) take most of the suite's time. ``make test`` (``--tier fast``) runs everything
+#: else, the loop a contributor runs after an edit; ``make test-slow`` (``--tier slow``) runs these;
+#: ``.ci/run`` runs both, and a plain ``pytest`` (``--tier all``) the whole suite.
+#: (Worker seconds with QMC_FORCE_AVX2=1 on a 2-core AMD EPYC: these 833 of the suite's 1462.)
+SLOW_TIER = (
+    "eval/backends/test_ray.py",  # [517] Ray replicas: the CLI's two, the recipes' four, Ray Serve's
+    "benchmarks/test_quick_forms.py",  # [168] each quick form starts its own servers
+    "mutation/test_mutants.py",  # [69] a pytest per mutant, some with an engine
+    "benchmarks/test_gpu_check.py",  # [48] make gpu-check's dry run
+    "eval/backends/test_ray_driver.py",  # [31] a Ray cluster of its own
+)
+
+TIERS = ("all", "fast", "slow")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier", default="all", choices=TIERS,
+        help="fast: every module but the slow tier (make test); slow: the slow tier (make test-slow); all: both",
+    )  # fmt: skip
+
+
+def pytest_ignore_collect(collection_path, config):
+    tier = config.getoption("--tier")
+    if tier == "all" or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    name = collection_path.resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+    return True if (name in SLOW_TIER) == (tier == "fast") else None
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         name = item.nodeid.split("::")[0].removeprefix("tests/")

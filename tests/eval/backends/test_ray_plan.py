@@ -181,7 +181,7 @@ def test_the_docs_recipes_write_out_the_backends_cpu_replica_on_one_cpu(monkeypa
 
     from qmc_sampler.cpu_defaults import engine_dtype
 
-    module = importlib.import_module(f"qmc_sampler.eval.{recipe}")
+    module = importlib.import_module(f"qmc_sampler.eval.backends.{recipe}")
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})  # a cluster without GPUs
     config = module.stage_config("/models/m", 2, 4, {}) if recipe == "ray_recipe" else module.llm_config("/models/m", 2)
     replica = cpu_replica(1)

@@ -205,7 +205,7 @@ def test_group_seeds_are_the_ones_the_committed_run_was_made_with():
     # `make run` resumes into docs/results' settings: its groups must keep the seeds they were drawn with.
     from pathlib import Path
 
-    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    results = Path(__file__).resolve().parents[3] / "docs" / "results"
     run_seed = json.loads((results / "run.json").read_text())["seed"]
     records = read_samples(results / "samples.jsonl")
     seeds = {(r["task"], r["problem"], r["group"]): r["group_seed"] for r in records}
