@@ -4,7 +4,8 @@ The tiny model is random, so the task's reward is mostly 0: these tests check th
 record (its structure, the pairing of designs by seed and prompts, lattice's groups),
 the resume, and the refusals — not the figures. Each run is ``python SCRIPT`` in a fork
 of the warm Python (torch and transformers already imported). The helpers that need no
-training (the p-value, the batch check, the vLLM step seed, …) are called in this process.
+training (the comparison, the batch check, the vLLM step seed, …) are called in this process; the
+paired statistics (the sign-flip p-value) are tested with their module, tests/eval/stats/test_paired.py.
 """
 
 import argparse
@@ -14,7 +15,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 pytest.importorskip("trl", reason="TRL not installed")
@@ -25,8 +25,11 @@ STEPS, PROMPTS, G = 2, 2, 4  # the script's --quick sizes
 
 @pytest.fixture(scope="module")
 def grpo(benchmark_script):
-    """The script as a module (importing it runs nothing: numpy only)."""
-    return benchmark_script("grpo_steps")
+    """The script's package ``benchmarks/grpo``, its modules as attributes, imported as the script imports them:
+    loading the script (which runs nothing: numpy only) puts its folder on ``sys.path``."""
+    benchmark_script("grpo_steps")
+    names = ("data", "plan", "report", "training")
+    return SimpleNamespace(**{name: importlib.import_module(f"grpo.{name}") for name in names})
 
 
 def grpo_steps(warm_python, *argv: str):
@@ -184,14 +187,6 @@ def test_bad_arguments_get_one_line_and_exit_code_2(warm_python, tmp_path, argv,
     assert not (tmp_path / "steps.jsonl").exists()
 
 
-def test_the_sign_flip_p_value_is_exact_over_all_sign_patterns(grpo):
-    assert grpo.sign_flip_p(np.array([0.1, 0.2, 0.3])) == 0.25  # of 8 patterns, the two extreme ones
-    assert grpo.sign_flip_p(np.array([0.1, 0.2, 0.3, 0.05])) == 0.125
-    assert grpo.sign_flip_p(np.array([0.3, 0.1, -0.1])) == 0.75  # ±0.3±0.1±0.1: 6 of 8 as far from 0 (rounding too)
-    assert grpo.sign_flip_p(np.array([0.1, -0.1])) == 1.0 == grpo.sign_flip_p(np.zeros(3))
-    assert grpo.sign_flip_p(np.ones(21)) is None
-
-
 def run_curve(heldout):
     return {"steps": [], "rows": [], "heldout": heldout}
 
@@ -201,7 +196,7 @@ def test_the_comparison_names_the_seeds_the_p_value_and_a_descriptive_interval(g
         "iid": {s: run_curve({0: 0.25, 2: 0.5}) for s in range(3)},
         "lattice": {s: run_curve({0: 0.25, 2: 0.5 + 0.125 * (s + 1)}) for s in range(3)},
     }
-    final = grpo.comparison(runs, 2).splitlines()[0]
+    final = grpo.report.comparison(runs, 2).splitlines()[0]
     head = (
         "lattice − iid, final held-out reward: +0.250 over 3 seeds (exact sign-flip p = 0.250 "
         "(two-sided, 2^3 flips; least possible 0.250); descriptive percentile bootstrap ["
@@ -215,7 +210,7 @@ def test_steps_to_reach_say_when_iid_did_not_improve(grpo):
         "iid": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.5, 1: 0.75, 2: 0.5})},
         "lattice": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.5, 1: 0.5, 2: 0.5})},
     }
-    last = grpo.comparison(runs, 2).splitlines()[-1]
+    last = grpo.report.comparison(runs, 2).splitlines()[-1]
     assert last == "lattice: steps to reach iid's final held-out reward, per seed (of 2): 2, iid did not improve"
 
 
@@ -223,7 +218,7 @@ def test_a_batch_not_in_groups_of_g_or_a_second_reward_call_is_warned_about_and_
     task = SimpleNamespace(stop=("\n",), score=lambda problem, text: SimpleNamespace(correct=text == "4"))
     args = SimpleNamespace(prompts=2, generations=2)
     ctx = {"task": task, "by_id": {7: None, 3: None}, "args": args, "design": "iid", "seed": 0}
-    recorder = grpo.Recorder(ctx, None)
+    recorder = grpo.training.Recorder(ctx, None)
     call = lambda ids: recorder(None, ["4"] * len(ids), [[1]] * len(ids), ids)  # noqa: E731
     recorder.on_step_begin()
     assert call([7, 7, 3, 3]) == [1.0] * 4 and recorder.warnings == 0 and capsys.readouterr().out == ""
@@ -237,8 +232,8 @@ def test_a_batch_not_in_groups_of_g_or_a_second_reward_call_is_warned_about_and_
         "WARNING iid seed 0: the batch has 4 rows of 2 problems, not 2 prompts × G = 2 rows in groups of G "
         "by problem id",
     ]
-    assert grpo.grouped([7, 7, 3, 3], 2, 2) and not grpo.grouped([7, 7, 7, 7], 2, 2)
-    assert not grpo.grouped([7, 7, 3, 3, 5, 5], 2, 2) and not grpo.grouped([7, 7, 3], 2, 2)
+    assert grpo.data.grouped([7, 7, 3, 3], 2, 2) and not grpo.data.grouped([7, 7, 7, 7], 2, 2)
+    assert not grpo.data.grouped([7, 7, 3, 3, 5, 5], 2, 2) and not grpo.data.grouped([7, 7, 3], 2, 2)
 
 
 def test_with_vllm_every_step_gets_its_own_seed_in_the_kwargs_trl_reads_at_each_generation(grpo):
@@ -247,12 +242,12 @@ def test_with_vllm_every_step_gets_its_own_seed_in_the_kwargs_trl_reads_at_each_
     server = {"vllm_xargs": {"qmc_method": "iid", "qmc_seed": 5}}
     seeds = []
     for call in range(3):
-        grpo.vllm_step_seed(server, "server", 5, call)
+        grpo.training.vllm_step_seed(server, "server", 5, call)
         seeds.append(server["vllm_xargs"]["qmc_seed"])
     assert len(set(seeds)) == 3 and server["vllm_xargs"]["qmc_method"] == "iid"
     assert seeds[0] == counter_seed(5, Purpose.HF_CALL_SEED, 0, 0)  # patch_generate's call seed
     colocate = {"extra_args": {"qmc_method": "lattice", "qmc_seed": 5}}
-    grpo.vllm_step_seed(colocate, "colocate", 5, 2)
+    grpo.training.vllm_step_seed(colocate, "colocate", 5, 2)
     assert colocate["extra_args"]["qmc_seed"] == seeds[2]
     # TRL (read, not imported: vLLM's import is slow) keeps its VLLMGeneration as trainer.vllm_generation
     # and reads self.generation_kwargs inside generate, at every generation.
@@ -271,7 +266,7 @@ def test_a_task_that_cannot_give_its_problems_is_one_line_naming_task_and_data_s
 
     args = argparse.Namespace(task="basic_arithmetic", heldout=4, prompts=2, data_seed=7)
     with pytest.raises(SystemExit) as exit_:
-        grpo.split_problems(Dry(), args, grpo.OneLineParser(prog="grpo_steps.py"))
+        grpo.data.split_problems(Dry(), args, grpo.plan.OneLineParser(prog="grpo_steps.py"))
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "grpo_steps.py: error: --task basic_arithmetic --data-seed 7: the task could not give its problems "
