@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     conftest = _load("qmc_tests_conftest", TESTS / "conftest.py")
-    cases = _load("qmc_tests_sequential", TESTS / "eval" / "test_sequential.py")
+    cases = _load("qmc_tests_sequential", TESTS / "eval" / "runs" / "test_sequential.py")
     toy = conftest.make_toy_model(vocab=4, depth=3, seed=1234)
     print(f"{'model':<32} {'mode':<9} {'design':<11} {'p-value':>8} {'TV':>6} {'spent':>6}")
     for label, case, cap, r in (

@@ -90,8 +90,11 @@ def _check_kernel_record() -> None:
     record = Path(spec.origin).with_name(KERNEL_RECORD)
     try:
         built_with = record.read_text().strip()
-    except OSError:
+    except FileNotFoundError:
         raise ImportError(_rebuild(f"{record} is missing, so the torch it was built against is unknown")) from None
+    except (OSError, UnicodeDecodeError) as e:  # unreadable: refused as missing, never raised past the fallback
+        unknown = f"{record} cannot be read ({e}), so the torch it was built against is unknown"
+        raise ImportError(_rebuild(unknown)) from None
     if built_with != torch.__version__:
         raise ImportError(_rebuild(f"it was built against torch {built_with} ({record})"))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,13 +59,14 @@ COSTLIEST_FIRST = (
 #: gpu-check's dry run) take most of the suite's time. ``make test`` (``--tier fast``) runs everything
 #: else, the loop a contributor runs after an edit; ``make test-slow`` (``--tier slow``) runs these;
 #: ``.ci/run`` runs both, and a plain ``pytest`` (``--tier all``) the whole suite.
-#: (Worker seconds with QMC_FORCE_AVX2=1 on a 2-core AMD EPYC: these 833 of the suite's 1462.)
+#: (With QMC_FORCE_AVX2=1 on a 2-core AMD EPYC: the fast tier 363 s, these 57 tests 379 s.)
 SLOW_TIER = (
     "eval/backends/test_ray.py",  # [517] Ray replicas: the CLI's two, the recipes' four, Ray Serve's
     "benchmarks/test_quick_forms.py",  # [168] each quick form starts its own servers
     "mutation/test_mutants.py",  # [69] a pytest per mutant, some with an engine
     "benchmarks/test_gpu_check.py",  # [48] make gpu-check's dry run
     "eval/backends/test_ray_driver.py",  # [31] a Ray cluster of its own
+    "benchmarks/test_grpo_gradient.py",  # [45] TRL generation and loss per group, on the worker Ray leaves free
 )
 
 TIERS = ("all", "fast", "slow")
@@ -111,6 +113,17 @@ def pytest_configure(config):
                 "tests would be skipped; install the project with `make test` (.venv with the cpu, eval, dev, "
                 "integrations and ray extras) or `make compat`"
             )
+        if required == "1" and platform.machine() == "x86_64":
+            # The fused CPU kernel's tests skip where it is not loaded: CI must not pass without it.
+            # Whether it is loaded, not which backend runs: a test's subprocess may force another
+            # (QMC_SAMPLER_BACKEND=triton under Triton's interpreter).
+            from qmc_sampler.kernels import _cpp_kernel
+
+            if _cpp_kernel() is None:
+                raise pytest.UsageError(
+                    "QMC_REQUIRE_INTEGRATIONS=1 (set by .ci/run) but the fused CPU kernel is not loaded (its warning "
+                    "says why): its tests would be skipped; rebuild it with `make test` (.venv) or `pip install -e .`"
+                )
 
 
 def share_the_cores_between_workers() -> None:
@@ -260,6 +273,26 @@ def reference_processed_probs(
         keep[order[drop]] = False
     q = np.where(keep, p, 0.0)
     return q / q.sum()
+
+
+#: The (temperature, top-k, top-p, min-p) settings that the filter tests (the processed distribution, the
+#: fused kernel) each run over: every filter alone and combined, a near-greedy top-1, a tiny top-p, and
+#: top-k above the CPU kernel's heap (selection in place of the heap) and above a small vocabulary.
+FILTER_SETTINGS = [
+    *[(1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (2.0, 0, 0.05, 0.0)],  # temperature, tiny top-p
+    *[(1.0, 0, 0.9, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (1.0, 0, 1.0, 0.05)],  # top-p, min-p alone
+    *[(1.3, 5, 1.0, 0.0), (1.0, 40, 1.0, 0.0), (1.0, 1, 1.0, 0.0), (1.5, 1, 1.0, 0.0)],  # top-k, top-1
+    *[(0.8, 10, 0.9, 0.05), (0.8, 20, 0.8, 0.02)],  # combined
+    *[(0.8, 300, 0.95, 0.0), (1.0, 600, 1.0, 0.02)],  # top-k above the kernel's heap and a small vocabulary
+]
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes ``filter_setting`` runs once for each of :data:`FILTER_SETTINGS` (tests cannot
+    import conftest, so the list reaches them this way)."""
+    if "filter_setting" in metafunc.fixturenames:
+        ids = [f"T{t}-k{k}-p{p}-m{m}" for t, k, p, m in FILTER_SETTINGS]
+        metafunc.parametrize("filter_setting", FILTER_SETTINGS, ids=ids)
 
 
 def row_filters(batch: int, temperature: float, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, ...]:

@@ -6,6 +6,7 @@ How :class:`~qmc_sampler.eval.backends.ray_backend.RayBackend` uses them: its mo
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -19,6 +20,7 @@ __all__ = [
     "ReplicaPlan",
     "cpu_replica",
     "plan_replicas",
+    "recipe_parser",
     "replica_env",
 ]
 
@@ -168,3 +170,14 @@ def cpu_replica(cpus: int) -> CpuReplica:
         env_vars={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cpus)},
         engine_kwargs={"enforce_eager": True},
     )
+
+
+def recipe_parser(replicas: int) -> argparse.ArgumentParser:
+    """The arguments both Ray recipes take: ``MODEL``, ``--address`` (an existing cluster; none: start
+    a local one with ``replicas`` + :data:`SPARE_CPUS` logical CPUs) and ``--replicas`` (default
+    ``replicas``). Each recipe adds its own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--address", default=None)
+    parser.add_argument("--replicas", type=int, default=replicas)
+    return parser

@@ -15,13 +15,13 @@ G rows, and the rows are spread over the replicas. Two ways to make them one gro
 Prints one JSON object per output row (pattern, prompt, member, tokens, text, request_id, batch).
 """
 
-import argparse
 import json
 
 import ray
 from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
 from qmc_sampler.cpu_defaults import engine_dtype
+from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS, recipe_parser
 
 
 def stage_config(model: str, replicas: int, batch_size: int, env: dict) -> vLLMEngineProcessorConfig:
@@ -64,18 +64,13 @@ def output(pattern: str):
 
 def main() -> None:
     """Run both patterns and print their rows."""
-    p = argparse.ArgumentParser()
-    p.add_argument("model")
-    p.add_argument("--address", default=None)
-    p.add_argument("--replicas", type=int, default=2)
+    p = recipe_parser(replicas=2)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompts", nargs="+", default=["The capital of France is", "def fibonacci(n):"])
     args = p.parse_args()
-    if args.address:
-        ray.init(address=args.address)
-    else:  # a local cluster: logical CPUs for the replicas and for Ray Data's own tasks
-        ray.init(num_cpus=args.replicas + 2)
+    # a local cluster: logical CPUs for the replicas and for Ray Data's own tasks
+    ray.init(address=args.address) if args.address else ray.init(num_cpus=args.replicas + SPARE_CPUS)
     # Start every replica before rows flow, so the rows spread over all of them.
     ray.data.DataContext.get_current().wait_for_min_actors_s = 1800
     G = args.group_size

@@ -9,7 +9,6 @@ prompt repeated as ``n = 1`` requests) one correlated group, and ``vllm_xargs`` 
 per-request arguments (``qmc_method``, ``qmc_seed``, …).
 """
 
-import argparse
 import signal
 
 import ray
@@ -17,6 +16,7 @@ from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 
 from qmc_sampler.cpu_defaults import engine_dtype
+from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS, recipe_parser
 
 
 def llm_config(model: str, replicas: int) -> LLMConfig:
@@ -40,16 +40,11 @@ def llm_config(model: str, replicas: int) -> LLMConfig:
 
 def main() -> None:
     """Start the app and serve until interrupted (Ctrl-C or SIGTERM), then take it down."""
-    p = argparse.ArgumentParser()
-    p.add_argument("model")
-    p.add_argument("--address", default=None)
-    p.add_argument("--replicas", type=int, default=1)
+    p = recipe_parser(replicas=1)
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args()
-    if args.address:
-        ray.init(address=args.address)
-    else:  # a local cluster: logical CPUs for the replicas and for Serve's own actors
-        ray.init(num_cpus=args.replicas + 2)
+    # a local cluster: logical CPUs for the replicas and for Serve's own actors
+    ray.init(address=args.address) if args.address else ray.init(num_cpus=args.replicas + SPARE_CPUS)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:

@@ -458,8 +458,26 @@ def bounded_ratio_interval(
         low, high = low_r + low * span, low_r + high * span
         return max(low_r, min(low, mean)), min(high_r, max(high, mean))
 
+    return value, *_ratio_interval_ends(value, lo, hi, test)
+
+
+def _ratio_interval_ends(
+    value: float, lo: float, hi: float, mean_interval_at: Callable[[float], tuple[float, float]]
+) -> tuple[float, float]:
+    """The ends of the set of r at which the interval of mean(a − r·b) holds 0, by bisection in log r.
+
+    Arguments:
+        value: the point estimate mean(a) / mean(b), where mean(a − r·b) = 0 (accepted).
+        lo, hi: the bounds of a value; the ratio lies in [lo/hi, hi/lo].
+        mean_interval_at: r ↦ (low, high) of the interval of mean(a − r·b); both fall as r grows.
+
+    Returns:
+        ``(low, high)``, each placed by :data:`RATIO_BISECTIONS` bisections (the bound itself where
+        it is accepted), around ``value``. See :func:`bounded_ratio_interval`.
+    """
     ends = []
-    for bound, holds in ((lo / hi, lambda r: test(r)[0] <= 0), (hi / lo, lambda r: test(r)[1] >= 0)):
+    accepts = (lambda r: mean_interval_at(r)[0] <= 0, lambda r: mean_interval_at(r)[1] >= 0)
+    for bound, holds in zip((lo / hi, hi / lo), accepts, strict=True):
         inside, outside = np.log(value), np.log(bound)  # the point estimate is accepted: mean(D) = 0
         if holds(bound):
             ends.append(bound)
@@ -468,7 +486,7 @@ def bounded_ratio_interval(
             mid = (inside + outside) / 2
             inside, outside = (mid, outside) if holds(float(np.exp(mid))) else (inside, mid)
         ends.append(float(np.exp(inside)))
-    return value, min(ends[0], value), max(ends[1], value)
+    return min(ends[0], value), max(ends[1], value)
 
 
 def bootstrap_pass_at_k(

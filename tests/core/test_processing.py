@@ -6,20 +6,9 @@ import torch
 
 from qmc_sampler import process_logits
 
-CONFIGS = [
-    (1.0, 0, 1.0, 0.0),
-    (0.7, 0, 1.0, 0.0),
-    (1.3, 5, 1.0, 0.0),
-    (1.0, 0, 0.8, 0.0),
-    (1.0, 0, 1.0, 0.1),
-    (0.8, 10, 0.9, 0.05),
-    (1.0, 1, 1.0, 0.0),
-    (2.0, 0, 0.05, 0.0),
-]
 
-
-@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), CONFIGS)
-def test_matches_an_independent_statement_of_vllms_rules(processed_reference, temperature, top_k, top_p, min_p):
+def test_matches_an_independent_statement_of_vllms_rules(processed_reference, filter_setting):
+    temperature, top_k, top_p, min_p = filter_setting
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2
     out = process_logits(
         logits,

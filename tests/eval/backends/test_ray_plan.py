@@ -12,6 +12,7 @@ from qmc_sampler.eval.backends.ray_plan import (
     ReplicaPlan,
     cpu_replica,
     plan_replicas,
+    recipe_parser,
     replica_env,
 )
 from qmc_sampler.eval.backends.ray_rows import MemberTable, finish_reason, rows_per_engine
@@ -219,3 +220,10 @@ def test_a_bad_ray_device_is_one_line_and_exit_code_2_before_any_cluster(tmp_pat
     assert not cache.exists() and not (tmp_path / "o").exists()  # no model, no output folder, no cluster
     if "ray" in sys.modules:
         assert not sys.modules["ray"].is_initialized()
+
+
+def test_the_recipes_common_arguments():
+    args = recipe_parser(replicas=2).parse_args(["MODEL_DIR"])
+    assert (args.model, args.address, args.replicas) == ("MODEL_DIR", None, 2)
+    args = recipe_parser(replicas=1).parse_args(["m", "--address", "auto", "--replicas", "3"])
+    assert (args.address, args.replicas) == ("auto", 3)

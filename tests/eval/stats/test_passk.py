@@ -296,24 +296,14 @@ def ratio_by_mean_intervals(a, b, lo, hi, resamples):
     """bounded_ratio_interval as its docstring defines it: bisections in log r on bounded_mean_interval
     of a − r·b on [lo − r·hi, hi − r·lo], called anew at every r (what the function computed before it
     kept the Dirichlet draws' sums)."""
-    from qmc_sampler.eval.stats.passk import RATIO_BISECTIONS
+    from qmc_sampler.eval.stats.passk import _ratio_interval_ends
 
     value = a.mean() / b.mean()
 
     def test(r):
         return bounded_mean_interval(a - r * b, lo=lo - r * hi, hi=hi - r * lo, resamples=resamples)[1:]
 
-    ends = []
-    for bound, holds in ((lo / hi, lambda r: test(r)[0] <= 0), (hi / lo, lambda r: test(r)[1] >= 0)):
-        inside, outside = np.log(value), np.log(bound)
-        if holds(bound):
-            ends.append(bound)
-            continue
-        for _ in range(RATIO_BISECTIONS):
-            mid = (inside + outside) / 2
-            inside, outside = (mid, outside) if holds(float(np.exp(mid))) else (inside, mid)
-        ends.append(float(np.exp(inside)))
-    return value, min(ends[0], value), max(ends[1], value)
+    return value, *_ratio_interval_ends(value, lo, hi, test)
 
 
 @pytest.mark.parametrize("case", ["tail", "at the bounds", "one at each bound", "few"])
