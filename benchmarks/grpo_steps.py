@@ -23,13 +23,14 @@ paired by seed. Only the rollouts' design differs:
   paths cannot run on this project's CPU machine.
 
 Defaults: the default model (SmolLM2-135M-Instruct) and ``make run``'s task,
-``basic_arithmetic`` (its verifier is the 0/1 reward), sized for about an hour on an
-idle 2-core CPU (2 designs × 3 seeds × 16 steps; G = 8 rollouts of 4 prompts a step,
-24 tokens; learning rate 1e-5, constant; 64 held-out problems evaluated every 4 steps).
+``basic_arithmetic`` (its verifier is the 0/1 reward; ``--task-option KEY=VALUE`` sets its
+options, e.g. ``max_terms=3``), 2 designs × 3 seeds × 16 steps; G = 8 rollouts of 4 prompts a
+step, 24 tokens; learning rate 1e-5, constant; 96 held-out problems evaluated every 2 steps.
+TRL's loss and generation settings are :data:`grpo.plan.TRL_SETTINGS`, set explicitly and recorded.
 
-Pre-registered comparison (fixed before the first full run; not tuned on its result):
+The comparison, computed the same way for every design against iid, paired by seed:
 
-* Problems: the task's distinct problems (from ``problems(600, 0)``, de-duplicated by
+* Problems: the task's distinct problems (from ``problems(POOL, data_seed)`` of :mod:`grpo.data`, de-duplicated by
   prompt), split once by a numpy Generator seeded with ``--data-seed``: ``--heldout``
   held-out problems, never trained on; the rest are the training prompts.
 * Held-out reward: **greedy** decoding (``max_completion_length`` tokens, cut at the
@@ -37,28 +38,30 @@ Pre-registered comparison (fixed before the first full run; not tuned on its res
   because it is deterministic given the weights (no evaluation noise on top of the
   training noise) and because ``patch_generate`` passes non-sampling calls through, so
   both designs are evaluated by identical code. Evaluated at step 0, every
-  ``--eval-every`` steps and after the final step.
-* **Primary**: held-out reward after the final step, paired difference design − iid per
-  seed, and its mean over seeds. Printed with it: the number of seeds, the exact sign-flip
-  permutation p-value of that mean (two-sided; all 2^n sign patterns of the n paired
-  differences; with 3 seeds it can be no smaller than 0.25), and a **descriptive**
-  percentile bootstrap interval over seeds (2.5 and 97.5 percentiles of 10 000 resampled
-  means, ``numpy.random.default_rng(0)``). That interval is not a 95% confidence interval:
-  with 3–5 seeds it is about the range of the differences and covers far less than 95%.
-* Secondary: (a) the area under the held-out reward curve (trapezoid over the evaluation
-  steps, divided by the steps: the mean held-out reward over training), paired the same
-  way; (b) per seed, the first evaluation step at which the design's held-out reward
-  reaches iid's final held-out reward (``-`` if it never does; ``iid did not improve``
-  where iid's final held-out reward is not above its step-0 value: nothing to reach).
+  ``--eval-every`` steps and after the final step. Training rollouts are cut at the same stop
+  string (:mod:`grpo.stop`: the tokens after it are not trained on, but for one end-of-sequence token).
+* **Primary**: the area under the held-out reward curve (trapezoid over the evaluation steps,
+  divided by the steps: the mean held-out reward over training), design − iid per seed: the mean
+  over seeds, the exact sign-flip p-value (two-sided, all 2^n sign patterns) and the interval of
+  the inverted test at 1 − α (:mod:`qmc_sampler.eval.stats.paired`).
+* Secondary, the same way: the final held-out reward; with a plan, the steps to its threshold for
+  iid *and* the design (a run that never reaches it counts as ``steps + eval_every``); whether
+  iid's mean curve still rose at at least half of its evaluation points.
+* ``--plan PLAN.md`` (its one ```json block: the settings — ``--print-settings`` prints them for
+  the arguments given — and ``alpha``, ``margin``, ``threshold``) must agree with the arguments (else
+  exit 2 before anything runs) and is recorded in the header with its SHA-256; the report then
+  states the verdict by the plan's rule (:mod:`grpo.verdict`) — or none, saying why: settings unlike
+  the plan's, pairs still missing (a partial result, listed), or a run whose end line does not show
+  its design sampling one group per prompt and step.
 * Also recorded, not compared: training reward, the share of zero-variance groups (all
-  G rewards equal: no GRPO signal), distinct completions per group, tokens generated.
+  G rewards equal: no GRPO signal), distinct completions and distinct answers per group, tokens.
 
 Output (``--out``, default ``runs/grpo_steps``): ``steps.jsonl`` — a header line
 (arguments, CPU, versions), then one line per (design, seed, step) — step 0 is the
 held-out reward before training — and one ``end`` line per finished (design, seed);
 ``reward.png`` (training and held-out reward against step, mean over seeds with a
 min–max band). Per step: training reward mean, zero-variance share, distinct completions
-per group, tokens, wall and CPU seconds, the prompts' problem ids, held-out reward at
+and distinct answers per group, tokens, wall and CPU seconds, the prompts' problem ids, held-out reward at
 evaluation steps, and patch_generate's cumulative counters (groups, members, unsampleable
 rows, copies-only calls; any unsampleable or copies-only count is also printed).
 
@@ -71,20 +74,22 @@ part of the arguments a file is written with. Invocations on one ``--out`` must 
 after another, never at once.
 
     python benchmarks/grpo_steps.py [--model DIR] [--task basic_arithmetic] [--designs iid,lattice]
-        [--seeds 3] [--steps 16] [--generations 8] [--prompts 4] [--max-completion-length 24]
-        [--learning-rate 1e-5] [--heldout 64] [--eval-every 4] [--out runs/grpo_steps]
-        [--use-vllm server|colocate] [--only DESIGN:SEED] [--quick]
+        [--task-option KEY=VALUE …] [--seeds 3] [--steps 16] [--generations 8] [--prompts 4]
+        [--max-completion-length 24] [--learning-rate 1e-5] [--heldout 96] [--eval-every 2]
+        [--temperature 1.0] [--data-seed 0] [--rollout-stream 0] [--plan PLAN.md] [--save-at STEP]
+        [--out runs/grpo_steps] [--use-vllm server|colocate] [--only DESIGN:SEED] [--quick] [--print-settings]
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the grpo package beside it, however this file is loaded
 
 from grpo.data import split_problems
-from grpo.plan import eval_steps, identity, parse_args
+from grpo.plan import eval_steps, identity, model_dir, parse_args, settings
 from grpo.records import open_results, read_lines
 from grpo.report import report
 from grpo.training import run_one
@@ -101,25 +106,30 @@ VLLM_WARNING = (
 def main(argv: list[str] | None = None) -> int:
     """Run the missing (design, seed) runs (or ``--only``'s), seed by seed, then report. Returns the exit code."""
     args, p = parse_args(argv, __doc__.splitlines()[0])
+    if args.print_settings:  # a plan's "settings": these arguments' identity, the plan's own entry left out
+        print(json.dumps(settings(args), indent=1))
+        return 0
     from qmc_sampler.eval.tasks.catalog import get_task
 
     try:
-        task = get_task(args.task)
-    except ValueError as e:
-        p.error(f"--task: {e}")
+        task = get_task(args.task, **args.task_options)
+    except TypeError as e:  # a --task-option the task does not take
+        p.error(f"--task-option: {e}")
+    except ValueError as e:  # a task name that is not one, or a setting out of range (naming its option)
+        p.error(str(e) if str(e).startswith("--task-option") else f"--task: {e}")
     train, heldout = split_problems(task, args, p)  # before the file: a refusal writes nothing
     path = Path(args.out) / "steps.jsonl"
+    # A model that cannot be found is refused before a new file's header names it (a header locks --out).
+    folder = None if path.exists() else model_dir(args, p)
     finished = open_results(path, identity(args), p)
     runs = [args.only] if args.only else [(d, s) for s in range(args.seeds) for d in args.designs]
     todo = [run for run in runs if run not in finished]
     if todo:
         from transformers import AutoTokenizer
 
-        from qmc_sampler.models import resolve_model
-
         if args.use_vllm:
             print(VLLM_WARNING.format(mode=args.use_vllm), flush=True)
-        model_dir = resolve_model(args.model)
+        folder = folder or model_dir(args, p)
         print(
             f"{read_lines(path)[0][0]['cpu']}; {len(train)} training prompts, {len(heldout)} held-out; "
             f"runs to do: {len(todo)} of {len(args.designs) * args.seeds}",
@@ -129,13 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             "path": path,
             "task": task,
             "args": args,
-            "model_dir": model_dir,
+            "model_dir": folder,
             "heldout": heldout,
             "train": train,
             "by_id": {pr.problem_id: pr for pr in train},
             "eval_steps": eval_steps(args.steps, args.eval_every),
-            "tokenizer": AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
-            "train_tokenizer": AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
+            "tokenizer": AutoTokenizer.from_pretrained(folder, padding_side="left"),
+            "train_tokenizer": AutoTokenizer.from_pretrained(folder, padding_side="left"),
         }
         warnings = sum(run_one(args, design, seed, ctx) for design, seed in todo)
         print(
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {args.only[0]}:{args.only[1]} finished in {path}; nothing to train", flush=True)
     else:
         print(f"all {len(args.designs) * args.seeds} runs finished in {path}; nothing to train", flush=True)
-    report(path, args)
+    report(path)
     return 0
 
 

@@ -22,7 +22,7 @@ and the ratio lattice / i.i.d. The CPU is named in the first line.
 
     python benchmarks/rollout_diversity.py [--backend vllm,hf] [--task basic_arithmetic] [--problems 32]
                                            [--groups 8,16] [--model DIR] [--dtype auto] [--temperature 1.0]
-                                           [--task-option KEY=VALUE ...] [--quick]
+                                           [--task-option KEY=VALUE ...] [--out GROUPS.jsonl] [--quick]
 
 Problems are distinct (repeats of a prompt are drawn past, never counted twice).
 """
@@ -30,6 +30,7 @@ Problems are distinct (repeats of a prompt are drawn past, never counted twice).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="generator setting, e.g. max_digits=2 (repeatable; as qmc-eval's)")  # fmt: skip
+    p.add_argument("--out", default=None, help="also write every group (its rewards, distinct counts) to this JSONL")
     p.add_argument("--quick", action="store_true", help="4 problems, G = 4, 8 tokens: checks that it runs")
     args = p.parse_args()
     backends = [b.strip() for b in args.backend.split(",")]
@@ -91,16 +93,25 @@ def main() -> None:
     max_tokens = 8 if args.quick else task.max_tokens
     model = resolve_model(args.model)
     print(describe_cpu(), flush=True)
+    if args.out:  # the data behind the printed table: a header, then a line per group as it is scored
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"type": "header", "cpu": describe_cpu(), "args": vars(args)}) + "\n")
     for backend in backends:
         stats: dict[tuple[str, int], list[tuple[float, ...]]] = {}
 
-        def collect(sampler: str, g: int, problem: object, texts: list[str], stats=stats) -> None:
+        def collect(sampler: str, g: int, problem: object, texts: list[str], stats=stats, backend=backend) -> None:
             texts = [_cut(t, task.stop) for t in texts]
             verdicts = [task.score(problem, t).correct for t in texts]
             correct = {t for t, ok in zip(texts, verdicts, strict=True) if ok}
             zero_var = all(verdicts) or not any(verdicts)
             row = (float(zero_var), float(any(verdicts)), len(correct), len(set(texts)), float(np.mean(verdicts)))
             stats.setdefault((sampler, g), []).append(row)
+            if args.out:
+                group = {"backend": backend, "sampler": sampler, "g": g, "problem_id": problem.problem_id}
+                group |= {"rewards": [float(v) for v in verdicts], "distinct": row[3], "distinct_correct": row[2]}
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(group) + "\n")
 
         start = time.perf_counter()
         run = _run_vllm if backend == "vllm" else _run_hf

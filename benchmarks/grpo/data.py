@@ -28,6 +28,10 @@ def split_problems(task: Any, args: argparse.Namespace, p: OneLineParser) -> tup
     heldout, data_seed = args.heldout, args.data_seed
     try:
         drawn = task.problems(POOL, data_seed)
+    except AssertionError as e:  # reasoning-gym checks its generators' settings with asserts, when it draws
+        p.error(f"--task-option: {str(e) or 'the task refuses these settings'}")
+    except TypeError as e:  # a --task-option the task's generator does not take (found when it draws)
+        p.error(f"--task-option: {e}")
     except Exception as e:  # e.g. StopIteration: the task's one-shot example pool ran dry for this seed
         p.error(
             f"--task {args.task} --data-seed {data_seed}: the task could not give its problems "
@@ -40,7 +44,8 @@ def split_problems(task: Any, args: argparse.Namespace, p: OneLineParser) -> tup
     if len(problems) - heldout < args.prompts:
         p.error(
             f"--heldout {heldout}: the task gives {len(problems)} distinct problems, which leaves "
-            f"{max(len(problems) - heldout, 0)} for training, fewer than --prompts {args.prompts}; use fewer"
+            f"{max(len(problems) - heldout, 0)} for training, fewer than --prompts {args.prompts}; use fewer "
+            "(--prompts or --heldout) or a task with more problems (basic_arithmetic: --task-option max_terms=3)"
         )
     order = np.random.default_rng(data_seed).permutation(len(problems))
     return [problems[i] for i in order[heldout:]], [problems[i] for i in order[:heldout]]
@@ -68,11 +73,20 @@ def grouped(problem_ids: list[Any], prompts: int, g: int) -> bool:
     )
 
 
-def group_stats(problem_ids: list[Any], rewards: list[float], completion_ids: list[list[int]]) -> dict[str, float]:
-    """Zero-variance share and distinct completions per group, a group being one prompt's rows."""
+def group_stats(
+    problem_ids: list[Any], rewards: list[float], completion_ids: list[list[int]], answers: list[str | None]
+) -> dict[str, float]:
+    """Per group (one prompt's rows), averaged over the groups: the share whose rewards are all equal
+    (no GRPO signal), distinct token sequences, and distinct answers as the verifier parses them
+    (``extract_answer`` of the completion cut at the stop string; no answer counts as one value)."""
     groups: dict[Any, list[int]] = {}
     for row, pid in enumerate(problem_ids):
         groups.setdefault(pid, []).append(row)
     zero_var = [len({rewards[r] for r in rows}) == 1 for rows in groups.values()]
     distinct = [len({tuple(completion_ids[r]) for r in rows}) for rows in groups.values()]
-    return {"zero_var_share": float(np.mean(zero_var)), "distinct_per_group": float(np.mean(distinct))}
+    distinct_answers = [len({answers[r] for r in rows}) for rows in groups.values()]
+    return {
+        "zero_var_share": float(np.mean(zero_var)),
+        "distinct_per_group": float(np.mean(distinct)),
+        "distinct_answers_per_group": float(np.mean(distinct_answers)),
+    }

@@ -43,11 +43,8 @@ def read_lines(path: Path) -> tuple[list[dict[str, Any]], bool]:
 def open_results(path: Path, ident: dict[str, Any], p: OneLineParser) -> set[tuple[str, int]]:
     """Prepare ``path`` for this invocation and say which (design, seed) runs are finished.
 
-    A new file gets the header line. An existing one must carry the same identity and parse
-    (else a one-line error, exit 2); the lines of runs without an ``end`` line are dropped
-    so that those runs restart from their beginning, and so is a last line cut off
-    mid-write (wherever it is: after a run's ``end`` line too). Either way the file is
-    rewritten atomically, whole lines only, so that the next line appended starts a line.
+    :func:`open_records`, then the lines of runs without an ``end`` line are dropped so that those
+    runs restart from their beginning (the file rewritten atomically, whole lines only).
 
     Args:
         path: the JSONL file. ident: :func:`grpo.plan.identity` of these arguments. p: for the error.
@@ -55,35 +52,69 @@ def open_results(path: Path, ident: dict[str, Any], p: OneLineParser) -> set[tup
     Returns:
         The finished (design, seed) pairs.
     """
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        from qmc_sampler.cpu_defaults import describe_cpu
+    records = open_records(path, ident, p, "grpo_steps.py")
+    finished = {(r["design"], r["seed"]) for r in records if r.get("type") == END}
+    kept = [r for r in records if r.get("type") == HEADER or (r.get("design"), r.get("seed")) in finished]
+    if len(kept) != len(records):
+        _rewrite(path, kept)
+        print(f"dropped {len(records) - len(kept)} lines of unfinished runs; they restart", flush=True)
+    return finished
 
-        versions = {name: _version(name) for name in ("qmc-llm-sampler", "torch", "transformers", "trl")}
-        versions["python"] = sys.version.split()[0]
-        header = {"type": HEADER, "identity": ident, "cpu": describe_cpu(), "versions": versions}
-        path.write_text(json.dumps(header) + "\n")
-        return set()
+
+def open_records(path: Path, ident: dict[str, Any], p: OneLineParser, script: str) -> list[dict[str, Any]]:
+    """A new file gets the header line; an existing one must parse and carry the same identity (else a
+    one-line error, exit 2), and a last line cut off mid-write (wherever it is) is dropped, the file
+    rewritten atomically so that the next line appended starts a line.
+
+    Args:
+        path: the JSONL file. ident: the arguments' identity. p: for the error. script: named in it.
+
+    Returns:
+        The file's records, its header first.
+    """
+    if not path.exists():
+        write_header(path, ident)
+        return read_lines(path)[0]
     try:
         records, whole = read_lines(path)
     except ValueError as e:
         p.error(str(e))
     if not records or records[0].get("type") != HEADER:
-        p.error(f"{path} has no header line: not a grpo_steps.py file; use another --out")
-    if records[0]["identity"] != ident:
-        diff = sorted(k for k in ident if records[0]["identity"].get(k) != ident[k])
+        p.error(f"{path} has no header line: not a {script} file; use another --out")
+    written = records[0]["identity"]
+    if written != ident:
+        diff = sorted(k for k in set(written) | set(ident) if written.get(k, "<missing>") != ident.get(k, "<missing>"))
         p.error(f"{path} was written with other arguments ({', '.join(diff)}); use another --out or the same ones")
-    finished = {(r["design"], r["seed"]) for r in records if r.get("type") == END}
-    kept = [r for r in records if r.get("type") == HEADER or (r.get("design"), r.get("seed")) in finished]
-    if len(kept) != len(records) or not whole:
-        staging = path.with_suffix(".tmp")
-        staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        staging.replace(path)
-        if not whole:
-            print("dropped a last line cut off mid-write", flush=True)
-        if len(kept) != len(records):
-            print(f"dropped {len(records) - len(kept)} lines of unfinished runs; they restart", flush=True)
-    return finished
+    now, was = _versions(), records[0].get("versions", {})
+    changed = sorted(k for k in now if was.get(k) != now[k])
+    if changed:  # not refused (a patch release may change nothing), but never silent
+        print(
+            f"WARNING: {path} was started with other versions ("
+            + ", ".join(f"{k} {was.get(k)} -> {now[k]}" for k in changed)
+            + "): the runs it holds and the ones added now may differ by more than their seeds",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not whole:
+        _rewrite(path, records)
+        print("dropped a last line cut off mid-write", flush=True)
+    return records
+
+
+def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace ``path`` by these records, atomically (a staging file renamed over it)."""
+    staging = path.with_suffix(".tmp")
+    staging.write_text("".join(json.dumps(r) + "\n" for r in records))
+    staging.replace(path)
+
+
+def write_header(path: Path, ident: dict[str, Any]) -> None:
+    """Start the file ``path`` (and its folder) with its header line: the identity, the CPU, the versions."""
+    from qmc_sampler.cpu_defaults import describe_cpu
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {"type": HEADER, "identity": ident, "cpu": describe_cpu(), "versions": _versions()}
+    path.write_text(json.dumps(header) + "\n")
 
 
 def append(path: Path, record: dict[str, Any]) -> None:
@@ -92,7 +123,13 @@ def append(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _version(name: str) -> str | None:
+def _versions() -> dict[str, str | None]:
+    """The versions a header records: this package, torch, transformers, TRL and Python."""
+    versions = {name: installed_version(name) for name in ("qmc-llm-sampler", "torch", "transformers", "trl")}
+    return versions | {"python": sys.version.split()[0]}
+
+
+def installed_version(name: str) -> str | None:
     """The installed version of distribution ``name`` (None: not installed)."""
     try:
         return metadata.version(name)

@@ -1,22 +1,21 @@
-"""The report of the finished runs: per-design table, the pre-registered paired comparison with iid, the plot."""
+"""The report of the finished runs, from ``steps.jsonl`` alone: the table, the paired comparison, the verdict."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from grpo.records import END, STEP, read_lines
-
-BOOTSTRAP = 10_000  # resampled means of the descriptive interval
-LEVEL = 0.95
+from grpo.verdict import decide, differing_settings, rising_share, steps_to
 
 
 def curves(records: list[dict[str, Any]], designs: list[str], seeds: list[int]) -> dict[str, dict[int, dict]]:
-    """design → seed → {"steps": [...], "train": [...], "heldout": {step: reward}} from finished runs."""
-    finished = {(r["design"], r["seed"]) for r in records if r.get("type") == END}
+    """design → seed → {"steps": [...], "rows": [...], "heldout": {step: reward}, "end": its end line}, from
+    finished runs."""
+    ends = {(r["design"], r["seed"]): r for r in records if r.get("type") == END}
+    finished = set(ends)
     out: dict[str, dict[int, dict]] = {d: {} for d in designs}
     for r in records:
         if r.get("type") != STEP or (r["design"], r["seed"]) not in finished or r["design"] not in out:
@@ -27,6 +26,7 @@ def curves(records: list[dict[str, Any]], designs: list[str], seeds: list[int]) 
             run["rows"].append(r)
         if r["heldout_reward"] is not None:
             run["heldout"][r["step"]] = r["heldout_reward"]
+        run["end"] = ends[(r["design"], r["seed"])]
     return out
 
 
@@ -37,16 +37,11 @@ def auc(heldout: dict[int, float], steps: int) -> float:
     return float(np.sum((np.diff(xs)) * (np.array(ys[1:]) + np.array(ys[:-1])) / 2) / steps)
 
 
-def reach_step(heldout: dict[int, float], target: float) -> int | None:
-    """The first evaluation step whose held-out reward is at least ``target`` (None: never)."""
-    return next((s for s in sorted(heldout) if heldout[s] >= target - 1e-12), None)
-
-
 def table(runs: dict[str, dict[int, dict]], steps: int) -> str:
     """Per design, means over seeds: final and mean held-out reward, training figures, cost."""
     head = (
         f"{'design':>10}  {'seeds':>5}  {'final held-out':>14}  {'held-out AUC':>12}  {'train reward':>12}  "
-        f"{'zero-var':>8}  {'distinct/group':>14}  {'tokens/step':>11}  {'s/step':>6}  {'CPU s/step':>10}"
+        f"{'zero-var':>8}  {'distinct/group':>14}  {'answers/group':>13}  {'tokens/step':>11}  {'s/step':>6}"
     )
     lines = [head, "-" * len(head)]
     for design, by_seed in runs.items():
@@ -55,22 +50,26 @@ def table(runs: dict[str, dict[int, dict]], steps: int) -> str:
         rows = [row for run in by_seed.values() for row in run["rows"]]
         final = np.mean([run["heldout"][steps] for run in by_seed.values()])
         area = np.mean([auc(run["heldout"], steps) for run in by_seed.values()])
-        mean = {
-            k: np.mean([row[k] for row in rows])
-            for k in ("reward_mean", "zero_var_share", "distinct_per_group", "tokens", "wall_s", "cpu_s")
-        }
+        keys = ("reward_mean", "zero_var_share", "distinct_per_group", "distinct_answers_per_group", "tokens", "wall_s")
+        mean = {k: np.mean([row.get(k, np.nan) for row in rows]) for k in keys}
         lines.append(
             f"{design:>10}  {len(by_seed):>5}  {final:14.3f}  {area:12.3f}  {mean['reward_mean']:12.3f}  "
-            f"{mean['zero_var_share']:8.3f}  {mean['distinct_per_group']:14.2f}  {mean['tokens']:11.0f}  "
-            f"{mean['wall_s']:6.1f}  {mean['cpu_s']:10.1f}"
+            f"{mean['zero_var_share']:8.3f}  {mean['distinct_per_group']:14.2f}  "
+            f"{mean['distinct_answers_per_group']:13.2f}  {mean['tokens']:11.0f}  {mean['wall_s']:6.1f}"
         )
     return "\n".join(lines)
 
 
-def comparison(runs: dict[str, dict[int, dict]], steps: int) -> str:
-    """The pre-registered comparison of each design with iid, paired by seed (the script's docstring)."""
-    from qmc_sampler.eval.stats.paired import bootstrap_mean_interval, sign_flip_p
+def comparison(runs: dict[str, dict[int, dict]], identity: dict[str, Any]) -> str:
+    """Each design against iid, paired by seed: the primary metric (held-out AUC) and the secondary
+    ones (final held-out reward; steps to the plan's threshold, for iid and the design alike), then
+    whether iid's curve was still rising, then the verdict by the plan's rule — or why there is none.
 
+    Args:
+        runs: :func:`curves` of the finished runs. identity: the header's (its ``plan``: the rule, or None).
+    """
+    steps, every, plan = identity["steps"], identity["eval_every"], identity.get("plan")
+    alpha = plan["alpha"] if plan else 0.05
     lines = []
     base = runs["iid"]
     for design, by_seed in runs.items():
@@ -80,38 +79,125 @@ def comparison(runs: dict[str, dict[int, dict]], steps: int) -> str:
         if not seeds:
             lines.append(f"{design} − iid: no seed finished for both")
             continue
-        rng = np.random.default_rng(0)  # the same resamples on every rerun
         for name, value in (
+            ("held-out AUC (primary)", lambda run: auc(run["heldout"], steps)),
             ("final held-out reward", lambda run: run["heldout"][steps]),
-            ("held-out AUC", lambda run: auc(run["heldout"], steps)),
         ):
             diffs = np.array([value(by_seed[s]) - value(base[s]) for s in seeds])
-            ci = bootstrap_mean_interval(diffs, rng, resamples=BOOTSTRAP, level=LEVEL)
-            n = f"{len(seeds)} seed{'s' * (len(seeds) > 1)}"
-            p_value = sign_flip_p(diffs)
-            test = (
-                f"exact sign-flip p = {p_value:.3f} (two-sided, 2^{len(seeds)} flips; least possible "
-                f"{2 / 2 ** len(seeds):.3f})"
-                if p_value is not None
-                else "sign-flip p not computed (over 20 seeds)"
+            lines.append(f"{design} − iid, {name}: {paired(diffs, alpha)}")
+        if plan:
+            threshold, never = plan["threshold"], steps + every
+            reach = {d: [steps_to(runs[d][s]["heldout"], threshold) for s in seeds] for d in ("iid", design)}
+            for d in ("iid", design):
+                shown = ", ".join("-" if r is None else str(r) for r in reach[d])
+                lines.append(
+                    f"{d}: steps to held-out reward {threshold:g}, per seed (of {steps}; - never): {shown}; "
+                    f"reached by {sum(r is not None for r in reach[d])} of {len(seeds)}"
+                )
+            counted = {d: [never if r is None else r for r in reach[d]] for d in reach}
+            diffs = np.array(counted[design]) - np.array(counted["iid"])
+            lines.append(
+                f"{design} − iid, steps to {threshold:g} (never counted as {never}): {paired(diffs, alpha, '+.1f')}"
             )
-            where = (
-                f"descriptive percentile bootstrap [{ci[0]:+.3f}, {ci[1]:+.3f}], not a {LEVEL:.0%} interval"
-                if ci
-                else "no interval with 1 seed"
-            )
-            per_seed = ", ".join(f"{d:+.3f}" for d in diffs)
-            lines.append(f"{design} − iid, {name}: {diffs.mean():+.3f} over {n} ({test}; {where}; per seed {per_seed})")
-        shown = []
-        for s in seeds:
-            target = base[s]["heldout"][steps]
-            if target <= base[s]["heldout"][0] + 1e-12:  # nothing to reach: the design's step 0 is as good
-                shown.append("iid did not improve")
-            else:
-                reached = reach_step(by_seed[s]["heldout"], target)
-                shown.append("-" if reached is None else str(reached))
-        lines.append(f"{design}: steps to reach iid's final held-out reward, per seed (of {steps}): {', '.join(shown)}")
+        else:
+            lines.append("steps to a threshold: the threshold is the plan's (--plan); none given")
+    lines.append(still_rising(base, every))
+    lines.append(verdict_line(runs, identity))
     return "\n".join(lines)
+
+
+def paired(diffs: np.ndarray, alpha: float, fmt: str = "+.3f") -> str:
+    """Mean, exact sign-flip p, the inverted test's interval at 1 − alpha, and each seed's difference."""
+    from qmc_sampler.eval.stats.paired import sign_flip_interval, sign_flip_p
+
+    n = len(diffs)
+    p_value = sign_flip_p(diffs) if n else None
+    test = f"exact sign-flip p = {p_value:.3f} (least possible {2 / 2**n:.3f})" if p_value is not None else "no p"
+    interval = sign_flip_interval(diffs, level=1 - alpha) if 2 <= n else None
+    where = f"{1 - alpha:.0%} interval [{interval[0]:{fmt}}, {interval[1]:{fmt}}]" if interval else "no interval"
+    per_seed = ", ".join(f"{d:{fmt}}" for d in diffs)
+    return f"{diffs.mean():{fmt}} over {n} seed{'s' * (n != 1)} ({test}; {where}; per seed {per_seed})"
+
+
+def still_rising(base: dict[int, dict], every: int) -> str:
+    """Whether iid's mean held-out curve rose at at least half of its evaluation points (the plan's setting)."""
+    if not base:
+        return "iid: no finished run"
+    points = sorted(next(iter(base.values()))["heldout"])
+    mean = {x: float(np.mean([run["heldout"][x] for run in base.values()])) for x in points}
+    share = rising_share(mean)
+    ups = round(share * (len(points) - 1))
+    curve = ", ".join(f"{x}: {mean[x]:.3f}" for x in points)
+    return (
+        f"iid's mean held-out curve rose at {ups} of its {len(points) - 1} evaluation points after step 0 "
+        f"({'at least half: learning took most of the run' if share >= 0.5 else 'fewer than half'}); {curve}"
+    )
+
+
+def verdict_line(runs: dict[str, dict[int, dict]], identity: dict[str, Any]) -> str:
+    """The verdict by the plan's rule on the primary metric, or why none is stated: no plan, settings that
+    differ from the plan's, seeds still missing (a partial result, with the missing pairs), or a run
+    not shown to have sampled as planned (:func:`sampler_problems`). With several designs, each is
+    tested against iid at the plan's alpha, uncorrected: the plan names its primary design."""
+    plan = identity.get("plan")
+    if not plan:
+        return "verdict: none (no --plan: a descriptive run)"
+    differ = differing_settings(identity)
+    if differ:
+        return f"verdict: none — this run's settings differ from its plan's ({', '.join(differ)}); {plan['path']}"
+    if not 2 <= identity["seeds"] <= 20:
+        return f"verdict: none — {identity['seeds']} seeds: the rule's sign-flip test takes 2 … 20 paired seeds"
+    designs, seeds = identity["designs"], range(identity["seeds"])
+    missing = [f"{d}:{s}" for s in seeds for d in designs if s not in runs[d]]
+    if missing:
+        done = sum(all(s in runs[d] for d in designs) for s in seeds)
+        return (
+            f"verdict: none yet — PARTIAL: {done} of {identity['seeds']} paired seeds finished; "
+            f"missing {', '.join(missing)} (plan {plan['path']})"
+        )
+    unchecked = sampler_problems(runs, identity)
+    if unchecked:
+        return f"verdict: none — the design is not shown to have run as planned: {'; '.join(unchecked)}"
+    out = []
+    steps = identity["steps"]
+    for design in designs[1:]:
+        diffs = [auc(runs[design][s]["heldout"], steps) - auc(runs["iid"][s]["heldout"], steps) for s in seeds]
+        d = decide(diffs, plan["alpha"], plan["margin"])
+        out.append(
+            f"verdict by the plan's rule ({plan['path']}): {design} vs iid on held-out AUC: {d.verdict.upper()} "
+            f"(mean {d.mean:+.3f}, p = {d.p:.4f}, alpha {plan['alpha']:g}; {1 - plan['alpha']:.0%} interval "
+            f"[{d.interval[0]:+.3f}, {d.interval[1]:+.3f}], margin ±{plan['margin']:g})"
+        )
+    return "\n".join(out)
+
+
+def sampler_problems(runs: dict[str, dict[int, dict]], identity: dict[str, Any]) -> list[str]:
+    """Why the runs may not have sampled as planned (empty: they did): each run's end line must show
+    patch_generate's counters for its own design, one group per prompt and step, no unsampleable row,
+    no copies-only call, no batch warning. With ``--use-vllm`` the engine samples where this process
+    cannot count (the plugin may not have run): nothing can be shown."""
+    if identity.get("use_vllm"):
+        return [f"--use-vllm {identity['use_vllm']}: the engine's sampler cannot be checked from the trainer"]
+    groups = identity["prompts"] * identity["steps"]
+    problems = []
+    for design, by_seed in runs.items():
+        for seed, run in sorted(by_seed.items()):
+            end = run.get("end") or {}
+            qmc = end.get("qmc")
+            if qmc is None:
+                problems.append(f"{design}:{seed} has no sampler counters")
+            elif qmc.get("method") != design or qmc.get("groups") != groups:
+                problems.append(f"{design}:{seed} ran {qmc.get('method')} in {qmc.get('groups')} groups, not {groups}")
+            elif any(k not in qmc for k in ("unsampleable", "copies_only_calls")) or "batch_warnings" not in end:
+                problems.append(
+                    f"{design}:{seed}'s end line lacks a counter (unsampleable, copies-only, batch warnings)"
+                )
+            elif qmc["unsampleable"] or qmc["copies_only_calls"] or end["batch_warnings"]:
+                problems.append(
+                    f"{design}:{seed} had {qmc['unsampleable']} unsampleable rows, {qmc['copies_only_calls']} "
+                    f"copies-only calls, {end['batch_warnings']} batch warnings"
+                )
+    return problems
 
 
 def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
@@ -145,15 +231,18 @@ def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def report(path: Path, args: argparse.Namespace) -> None:
-    """Print the table and the paired comparison, and draw the plot, from the file's finished runs."""
+def report(path: Path) -> None:
+    """Print the table, the paired comparison and the verdict, and draw the plot, from the file alone:
+    its header's identity (sizes, designs, seeds, the plan's rule) and its finished runs."""
     records, _ = read_lines(path)
-    runs = curves(records, args.designs, list(range(args.seeds)))
-    header = records[0]
+    ident = records[0]["identity"]
+    runs = curves(records, ident["designs"], list(range(ident["seeds"])))
+    options = "".join(f", {k}={v}" for k, v in (ident.get("task_options") or {}).items())
     title = (
-        f"{header['cpu']}; model {args.model or 'SmolLM2-135M-Instruct'}, {args.task}, G = {args.generations}, "
-        f"{args.prompts} prompts/step, lr {args.learning_rate:g}, {args.heldout} held-out problems"
+        f"{records[0]['cpu']}; model {ident['model'] or 'SmolLM2-135M-Instruct'}, {ident['task']}{options}, "
+        f"G = {ident['generations']}, {ident['prompts']} prompts/step, lr {ident['learning_rate']:g}, "
+        f"{ident['heldout']} held-out problems"
     )
-    print(f"\n{title}\n{table(runs, args.steps)}\n\n{comparison(runs, args.steps)}")
+    print(f"\n{title}\n{table(runs, ident['steps'])}\n\n{comparison(runs, ident)}")
     plot(runs, path.with_name("reward.png"), title)
     print(f"plot: {path.with_name('reward.png')}; lines: {path}", flush=True)

@@ -11,7 +11,9 @@ import numpy as np
 
 from grpo.data import completion_text, cut, group_stats, grouped
 from grpo.evaluation import heldout_reward
+from grpo.plan import TRL_SETTINGS
 from grpo.records import END, STEP, append
+from grpo.stop import cut_generate_at_stop
 
 
 class Recorder:
@@ -29,7 +31,8 @@ class Recorder:
         self.pending: dict[str, Any] = {}
         self.started = (time.perf_counter(), time.process_time())
         self.calls = 0  # reward calls in this step (one expected)
-        self.warnings = 0  # batches not shaped prompts × G, repeated calls in a step (printed, not recorded)
+        # Batches not shaped prompts × G, repeated calls in a step: printed, and counted in the end line.
+        self.warnings = 0
         self.__name__ = "verifier"  # TRL names its reward metrics after the function
 
     def __call__(
@@ -54,13 +57,16 @@ class Recorder:
                 f"the batch has {len(problem_id)} rows of {len(set(problem_id))} problems, not {args.prompts} "
                 f"prompts × G = {args.generations} rows in groups of G by problem id"
             )
+        from qmc_sampler.eval.tasks.catalog import extract_answer
+
         task, by_id = self.ctx["task"], self.ctx["by_id"]
-        texts = [cut(completion_text(c), task.stop) for c in completions]
+        texts = [cut(completion_text(c), task.stop) for c in completions]  # already cut by grpo.stop: a no-op
         rewards = [float(task.score(by_id[pid], t).correct) for pid, t in zip(problem_id, texts, strict=True)]
+        answers = [extract_answer(t) for t in texts]
         self.pending = {
             "prompt_ids": list(dict.fromkeys(problem_id)),  # in the batch's order, each once
             "reward_mean": float(np.mean(rewards)),
-            **group_stats(list(problem_id), rewards, completion_ids),
+            **group_stats(list(problem_id), rewards, completion_ids, answers),
             "tokens": int(sum(len(ids) for ids in completion_ids)),
         }
         return rewards
@@ -114,7 +120,8 @@ class Recorder:
         if "reward_mean" in r:
             parts.append(
                 f"reward {r['reward_mean']:.3f}, zero-var {r['zero_var_share']:.2f}, "
-                f"distinct {r['distinct_per_group']:.2f}/{args.generations}, {r['tokens']} tokens, "
+                f"distinct {r['distinct_per_group']:.2f}/{args.generations} "
+                f"({r['distinct_answers_per_group']:.2f} answers), {r['tokens']} tokens, "
                 f"{r['wall_s']:.1f} s ({r['cpu_s']:.1f} s CPU)"
             )
         if r["heldout_reward"] is not None:
@@ -127,8 +134,9 @@ class Recorder:
         print(f"{where}: {'; '.join(parts)}", flush=True)
 
 
-def grpo_config(args: argparse.Namespace, design: str, seed: int, output_dir: str) -> Any:
-    """TRL's config: one generation of ``prompts × G`` rollouts per optimizer step, the run's seed."""
+def grpo_config(args: argparse.Namespace, design: str, seed: int, output_dir: str, stop: tuple[str, ...]) -> Any:
+    """TRL's config: one generation of ``prompts × G`` rollouts per optimizer step, the run's seed,
+    :data:`grpo.plan.TRL_SETTINGS`; with vLLM, rollouts cut at the task's ``stop`` strings by vLLM."""
     from trl import GRPOConfig
 
     vllm: dict[str, Any] = {}
@@ -138,14 +146,14 @@ def grpo_config(args: argparse.Namespace, design: str, seed: int, output_dir: st
         vllm = dict(
             use_vllm=True,
             vllm_mode="server",
-            generation_kwargs={"vllm_xargs": {"qmc_method": design, "qmc_seed": seed}},
+            generation_kwargs={"vllm_xargs": {"qmc_method": design, "qmc_seed": seed}, "stop": list(stop)},
         )
     elif args.use_vllm == "colocate":
         os.environ["QMC_SAMPLER"] = design  # read when the colocated engine starts (this trainer's)
         vllm = dict(
             use_vllm=True,
             vllm_mode="colocate",
-            generation_kwargs={"extra_args": {"qmc_method": design, "qmc_seed": seed}},
+            generation_kwargs={"extra_args": {"qmc_method": design, "qmc_seed": seed}, "stop": list(stop)},
         )
     return GRPOConfig(
         output_dir=output_dir,
@@ -164,6 +172,7 @@ def grpo_config(args: argparse.Namespace, design: str, seed: int, output_dir: st
         use_cpu=args.use_vllm is None,
         bf16=False,
         disable_tqdm=True,
+        **TRL_SETTINGS,
         **vllm,
     )
 
@@ -191,6 +200,15 @@ def vllm_step_seed(generation_kwargs: dict[str, Any], mode: str, seed: int, call
     generation_kwargs[key]["qmc_seed"] = counter_seed(seed, Purpose.HF_CALL_SEED, 0, call)
 
 
+def rollout_seed(seed: int, stream: int) -> int:
+    """The seed of a run's rollout uniforms: the training seed itself in stream 0; in stream k > 0 a
+    counter-based hash of (seed, k), so that two streams of one design and training seed (the same
+    prompts, in the same order) draw their rollouts independently — an A/A pair."""
+    from qmc_sampler.counter_rng import stable_seed
+
+    return seed if stream == 0 else stable_seed("grpo_steps rollout stream", seed, stream)
+
+
 def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any]) -> int:
     """Train one (design, seed) run from the model's own weights, writing its lines and ``end`` line.
 
@@ -213,7 +231,7 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
     ]
     ctx = ctx | {"design": design, "seed": seed}
     with tempfile.TemporaryDirectory(prefix="grpo-steps-") as scratch:
-        config = grpo_config(args, design, seed, scratch)
+        config = grpo_config(args, design, seed, scratch, ctx["task"].stop)
         recorder = Recorder(ctx, None)
         trainer = GRPOTrainer(
             model=model,
@@ -223,7 +241,10 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
             processing_class=ctx["train_tokenizer"],
         )
         # The design is the only difference between runs: i.i.d. through the same patched path.
-        recorder.handle = None if args.use_vllm else patch_generate(trainer.model, design, seed=seed)
+        rollouts = rollout_seed(seed, args.rollout_stream)
+        recorder.handle = None if args.use_vllm else patch_generate(trainer.model, design, seed=rollouts)
+        # Rollouts end at the stop string, as the held-out evaluation's do (vLLM: its own ``stop``).
+        uncut = None if args.use_vllm else cut_generate_at_stop(trainer.model, ctx["train_tokenizer"], ctx["task"].stop)
 
         class Steps(TrainerCallback):
             """The Trainer's hooks around each optimizer step: the recorder's clocks and line, and
@@ -235,11 +256,16 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
                 recorder.on_step_begin()
                 if args.use_vllm:
                     generation_kwargs = trainer.vllm_generation.generation_kwargs
-                    vllm_step_seed(generation_kwargs, args.use_vllm, seed, state.global_step)
+                    vllm_step_seed(generation_kwargs, args.use_vllm, rollouts, state.global_step)
 
             def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
                 """Write the finished step's line (``state.global_step`` counts it)."""
                 recorder.on_step_end(state.global_step, kw["model"])
+                if state.global_step == args.save_at:
+                    where = ctx["path"].parent / "checkpoints" / f"{design}-{seed}-step{args.save_at}"
+                    kw["model"].save_pretrained(where)
+                    ctx["train_tokenizer"].save_pretrained(where)
+                    print(f"saved the weights after step {args.save_at} to {where}", flush=True)
 
         recorder.pending = {}
         recorder.on_step_end(0, trainer.model)  # step 0: the held-out reward before training
@@ -248,6 +274,8 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
         try:
             trainer.train()
         finally:
+            if uncut is not None:
+                uncut()
             if recorder.handle is not None:
                 recorder.handle.restore()
     end = {
@@ -256,6 +284,7 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
         "seed": seed,
         "wall_s": round(time.perf_counter() - start, 3),
         "qmc": recorder.counters(),
+        "batch_warnings": recorder.warnings,
     }
     append(ctx["path"], end)
     return recorder.warnings

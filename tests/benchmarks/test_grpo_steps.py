@@ -37,13 +37,10 @@ def grpo_steps(warm_python, *argv: str):
 
 
 @pytest.fixture(scope="module")
-def quick_runs(tiny_model_dir, warm_python, tmp_path_factory):
+def quick_runs(quick_record, warm_python, tmp_path_factory):
     """The quick form run twice into one folder: the first trains, the second resumes."""
     out = tmp_path_factory.mktemp("grpo-steps")
-    argv = ("--quick", "--model", tiny_model_dir, "--out", str(out))
-    first = grpo_steps(warm_python, *argv)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    argv, first, records = quick_record("grpo_steps", out, "steps.jsonl")
     second = grpo_steps(warm_python, *argv)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     return out, argv, first, second, records
@@ -173,6 +170,7 @@ def test_a_file_written_with_other_arguments_is_refused(quick_runs, warm_python)
         (["--generations", "1"], "--generations 1: must be an integer >= 2"),
         (["--seeds", "two"], "argument --seeds: invalid int value: 'two'"),
         (["--data-seed", "-1"], "--data-seed -1: must be an integer >= 0"),
+        (["--rollout-stream", "-1"], "--rollout-stream -1: must be an integer >= 0"),
         (["--heldout", "1000"], "--heldout 1000: the task gives "),
         (["--heldout", "200", "--prompts", "100"], "for training, fewer than --prompts 100; use fewer"),
         (["--task", "nope"], "--task: task='nope' is not a task"),
@@ -180,38 +178,59 @@ def test_a_file_written_with_other_arguments_is_refused(quick_runs, warm_python)
         (["--use-vllm", "colocate"], "--use-vllm colocate: one (design, seed) run per invocation; add --only"),
     ],
 )
-def test_bad_arguments_get_one_line_and_exit_code_2(warm_python, tmp_path, argv, message):
-    done = grpo_steps(warm_python, *argv, "--out", str(tmp_path))
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
-    assert not (tmp_path / "steps.jsonl").exists()
+def test_bad_arguments_get_one_line_and_exit_code_2(refused, tmp_path, argv, message):
+    refused("grpo_steps", argv, tmp_path, "steps.jsonl", message)
+
+
+TASK_AND_PLAN_ERRORS = {
+    "--task-option max_digits": "--task-option 'max_digits' must look like key=value",
+    "--task-option nope=1": "--task-option: BasicArithmeticDatasetConfig.__init__() got an unexpected keyword",
+    "--task-option max_digits=0": "--task-option: max_digits must be >= min_digits",
+    "--task-option max_digits=1 --task-option max_digits=2": "--task-option max_digits: given twice",
+    "--save-at 17": "--save-at 17: must be a step 1 … --steps (16)",
+    "--plan no/such/plan.md": "--plan: no/such/plan.md: cannot read the plan",
+}
+
+
+@pytest.mark.parametrize("argv", TASK_AND_PLAN_ERRORS)
+def test_bad_task_options_save_steps_and_plans_get_one_line_and_exit_code_2(refused, tmp_path, argv):
+    refused("grpo_steps", argv.split(), tmp_path, "steps.jsonl", TASK_AND_PLAN_ERRORS[argv])
 
 
 def run_curve(heldout):
     return {"steps": [], "rows": [], "heldout": heldout}
 
 
-def test_the_comparison_names_the_seeds_the_p_value_and_a_descriptive_interval(grpo):
+def identity(plan=None, seeds=3):
+    return {"steps": 2, "eval_every": 1, "designs": ["iid", "lattice"], "seeds": seeds, "plan": plan}
+
+
+def test_the_comparison_pairs_by_seed_with_the_exact_p_value_and_the_inverted_tests_interval(grpo):
     runs = {
         "iid": {s: run_curve({0: 0.25, 2: 0.5}) for s in range(3)},
         "lattice": {s: run_curve({0: 0.25, 2: 0.5 + 0.125 * (s + 1)}) for s in range(3)},
     }
-    final = grpo.report.comparison(runs, 2).splitlines()[0]
-    head = (
-        "lattice − iid, final held-out reward: +0.250 over 3 seeds (exact sign-flip p = 0.250 "
-        "(two-sided, 2^3 flips; least possible 0.250); descriptive percentile bootstrap ["
-    )
-    assert final.startswith(head), final
-    assert "], not a 95% interval; per seed +0.125, +0.250, +0.375)" in final, final
+    primary, final = grpo.report.comparison(runs, identity()).splitlines()[:2]
+    assert primary == (
+        "lattice − iid, held-out AUC (primary): +0.125 over 3 seeds (exact sign-flip p = 0.250 (least possible "
+        "0.250); 95% interval [-inf, +inf]; per seed +0.062, +0.125, +0.188)"
+    ), primary
+    assert final.startswith("lattice − iid, final held-out reward: +0.250 over 3 seeds (exact sign-flip p = 0.250")
 
 
-def test_steps_to_reach_say_when_iid_did_not_improve(grpo):
-    runs = {  # seed 0: iid improved, lattice reached it at step 2; seed 1: iid ended where it began
+def test_steps_to_the_plans_threshold_are_counted_alike_for_iid_and_the_design(grpo):
+    plan = {"alpha": 0.05, "margin": 0.05, "threshold": 0.5, "path": "plan.md", "settings": {}}
+    runs = {  # seed 0: both reach 0.5 at step 2; seed 1: iid at step 1, lattice never (counted as 2 + 1)
         "iid": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.5, 1: 0.75, 2: 0.5})},
-        "lattice": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.5, 1: 0.5, 2: 0.5})},
+        "lattice": {0: run_curve({0: 0.25, 1: 0.25, 2: 0.5}), 1: run_curve({0: 0.25, 1: 0.25, 2: 0.25})},
     }
-    last = grpo.report.comparison(runs, 2).splitlines()[-1]
-    assert last == "lattice: steps to reach iid's final held-out reward, per seed (of 2): 2, iid did not improve"
+    runs["iid"][1]["heldout"][0] = 0.25
+    lines = grpo.report.comparison(runs, identity(plan, seeds=2)).splitlines()
+    assert "iid: steps to held-out reward 0.5, per seed (of 2; - never): 2, 1; reached by 2 of 2" in lines
+    assert "lattice: steps to held-out reward 0.5, per seed (of 2; - never): 2, -; reached by 1 of 2" in lines
+    steps = next(line for line in lines if line.startswith("lattice − iid, steps to 0.5"))
+    assert steps.startswith("lattice − iid, steps to 0.5 (never counted as 3): +1.0 over 2 seeds"), steps
+    assert steps.endswith("per seed +0.0, +2.0)"), steps
 
 
 def test_a_batch_not_in_groups_of_g_or_a_second_reward_call_is_warned_about_and_counted(grpo, capsys):
@@ -272,3 +291,69 @@ def test_a_task_that_cannot_give_its_problems_is_one_line_naming_task_and_data_s
         "grpo_steps.py: error: --task basic_arithmetic --data-seed 7: the task could not give its problems "
         "(StopIteration: no message); try another --data-seed"
     ]
+
+
+PLAN_ARGS = ("--seeds", "10", "--task-option", "max_terms=3", "--learning-rate", "2e-6")
+
+
+def write_plan(path, settings, threshold=0.3):
+    rule = {"settings": settings, "alpha": 0.05, "margin": 0.01, "threshold": threshold}
+    path.write_text(f"# Plan\n\n```json\n{json.dumps(rule)}\n```\n")
+    return str(path)
+
+
+def test_print_settings_gives_a_plan_its_settings_and_a_plan_that_differs_is_refused_before_anything_runs(
+    warm_python, tmp_path
+):
+    printed = grpo_steps(warm_python, *PLAN_ARGS, "--print-settings")
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    settings = json.loads(printed.stdout[printed.stdout.index("{") :])
+    assert settings["seeds"] == 10 and settings["task_options"] == {"max_terms": 3} and "plan" not in settings
+    assert settings["trl"]["loss_type"] == "dapo" and settings["learning_rate"] == 2e-6
+    plan = write_plan(tmp_path / "plan.md", settings | {"learning_rate": 1e-5})
+    done = grpo_steps(warm_python, *PLAN_ARGS, "--plan", plan, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "these arguments differ from the plan's settings (learning_rate)" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_written_from_the_printed_settings_is_accepted_and_its_rule_gives_a_verdict(grpo, tmp_path):
+    """The plan path end to end in this process: the arguments' settings as the plan's, the header's
+    identity with the plan's path and hash, and the verdict from runs with their end lines."""
+    args, _ = grpo.plan.parse_args([*PLAN_ARGS, "--print-settings"], "")
+    settings = grpo.plan.settings(args)
+    plan = write_plan(tmp_path / "plan.md", settings)
+    args, _ = grpo.plan.parse_args([*PLAN_ARGS, "--plan", plan], "")
+    ident = grpo.plan.identity(args)
+    assert ident["plan"]["path"] == plan and len(ident["plan"]["sha256"]) == 64
+    points = grpo.plan.eval_steps(16, 2)
+    qmc = lambda design: {"method": design, "groups": 4 * 16, "unsampleable": 0, "copies_only_calls": 0}  # noqa: E731
+    runs = {
+        design: {
+            s: {
+                "heldout": {t: 0.2 + t / 100 + lift * (s + 1) for t in points},
+                "end": {"qmc": qmc(design), "batch_warnings": 0},
+            }
+            for s in range(10)
+        }
+        for design, lift in (("iid", 0.0), ("lattice", 0.01))
+    }
+    line = grpo.report.verdict_line(runs, ident)
+    assert line.startswith(f"verdict by the plan's rule ({plan}): lattice vs iid on held-out AUC: FASTER "), line
+
+
+def test_rollout_streams_give_one_training_seed_independent_rollout_seeds(grpo):
+    """Stream 0 is the training seed's own (the runs before streams existed); others hash (seed, stream)."""
+    seeds = {(s, k): grpo.training.rollout_seed(s, k) for s in range(3) for k in range(3)}
+    assert all(seeds[(s, 0)] == s for s in range(3))
+    assert len(set(seeds.values())) == len(seeds)
+
+
+def test_a_plan_that_leaves_out_a_setting_is_refused_even_where_the_arguments_give_none(grpo, tmp_path, capsys):
+    """ "model": null (the default model) is a setting like any other: a plan without it differs."""
+    args, _ = grpo.plan.parse_args([*PLAN_ARGS, "--print-settings"], "")
+    settings = {k: v for k, v in grpo.plan.settings(args).items() if k != "model"}
+    plan = write_plan(tmp_path / "plan.md", settings)
+    with pytest.raises(SystemExit) as exited:
+        grpo.plan.parse_args([*PLAN_ARGS, "--plan", plan], "")
+    assert exited.value.code == 2 and "differ from the plan's settings (model)" in capsys.readouterr().err

@@ -3,6 +3,7 @@ built for another CPU, is a red test). The engine benchmarks run on the tiny tes
 point is that each one runs here, not its figures. Each runs as ``python SCRIPT`` in a fresh
 interpreter: a fork of the warm one (``tests/warm_python.py``), torch and vLLM already imported."""
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -33,21 +34,26 @@ def test_the_sampler_benchmark_on_cuda_refuses_a_machine_without_one(warm_python
     assert done.returncode == 2 and "--device cuda: this machine has no CUDA device" in done.stderr, done.stderr
 
 
-def quick(warm_python, script: str, model_dir: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def quick(warm_python, script: str, model_dir: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     # env: conftest's engine_core_env. No process of its own for the model: a vllm.LLM's engine
     # core runs in the script (it starts in ~3 s, not ~17 s), a server's model in its engine core.
-    done = warm_python.run([str(BENCHMARKS / script), "--quick", "--model", model_dir], env=env,
+    done = warm_python.run([str(BENCHMARKS / script), "--quick", "--model", model_dir, *extra], env=env,
                            cwd=BENCHMARKS.parent, timeout=1200)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
 
-def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir, engine_core_env, warm_python):
-    done = quick(warm_python, "rollout_diversity.py", tiny_model_dir, engine_core_env)
+def test_the_rollout_benchmark_quick_form_runs_both_paths(tiny_model_dir, engine_core_env, warm_python, tmp_path):
+    out = tmp_path / "groups.jsonl"
+    done = quick(warm_python, "rollout_diversity.py", tiny_model_dir, engine_core_env, "--out", str(out))
     assert "\nCPU: " in "\n" + done.stdout  # the CPU is named
     for path in ("vllm (", "hf ("):
         assert path in done.stdout, done.stdout
     assert done.stdout.count("(lattice / i.i.d.)") == 2
+    header, *groups = [json.loads(line) for line in out.read_text().splitlines()]  # the data behind the table
+    assert header["cpu"].startswith("CPU: ") and header["args"]["quick"] is True
+    keys = sorted((g["backend"], g["sampler"], g["problem_id"]) for g in groups)
+    assert len(keys) == len(set(keys)) == 2 * 2 * 4 and {len(g["rewards"]) for g in groups} == {4}
 
 
 def test_the_reproducibility_benchmark_quick_form_runs(tiny_model_dir, engine_core_env, warm_python):

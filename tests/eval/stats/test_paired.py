@@ -1,9 +1,10 @@
 """Paired statistics: the exact sign-flip p-value against counts of sign patterns worked out by hand, and
-the percentile bootstrap of the mean against resampled means whose distribution is known exactly."""
+the percentile bootstrap of the mean against resampled means whose distribution is known exactly, the
+inverted sign-flip interval against its test and its coverage."""
 
 import numpy as np
 import pytest
-from qmc_sampler.eval.stats.paired import SIGN_FLIP_MOST, bootstrap_mean_interval, sign_flip_p
+from qmc_sampler.eval.stats.paired import SIGN_FLIP_MOST, bootstrap_mean_interval, sign_flip_interval, sign_flip_p
 
 
 def test_the_sign_flip_p_value_is_exact_over_all_sign_patterns():
@@ -74,3 +75,43 @@ def test_the_bootstrap_draws_from_the_generator_it_is_given():
 def test_fewer_than_two_differences_have_no_interval():
     assert bootstrap_mean_interval([0.5], np.random.default_rng(0)) is None
     assert bootstrap_mean_interval([], np.random.default_rng(0)) is None
+
+
+def test_the_sign_flip_interval_ends_where_the_test_starts_to_reject():
+    d = np.array([0.12, -0.03, 0.08, 0.15, 0.02, 0.09, -0.01, 0.11, 0.05, 0.07])
+    low, high = sign_flip_interval(d, level=0.95)
+    assert low < d.mean() < high
+    assert sign_flip_p(d - low) > 0.05 >= sign_flip_p(d - (low - 1e-6))
+    assert sign_flip_p(d - high) > 0.05 >= sign_flip_p(d - (high + 1e-6))
+    wider = sign_flip_interval(d, level=0.99)
+    assert wider[0] < low and high < wider[1]
+
+
+def test_the_sign_flip_interval_covers_the_mean_at_its_level():
+    """300 samples of 10 normal differences (mean 0.3, SD 1): the 95% interval holds 0.3 in at least
+    91.5% of them (its coverage is ≥ 95% for symmetric differences; 91.5% is 2.8 binomial SEs below,
+    one-sided α ≈ 0.003) and at most 99% (an interval that never missed would not be at its level)."""
+    rng = np.random.default_rng(11)
+    hits = [lo <= 0.3 <= hi for lo, hi in (sign_flip_interval(rng.normal(0.3, 1.0, 10)) for _ in range(300))]
+    assert 0.915 <= np.mean(hits) <= 0.99, np.mean(hits)
+
+
+def test_the_sign_flip_interval_is_unbounded_where_the_test_cannot_reject_and_none_without_two_differences():
+    assert sign_flip_interval([0.1, 0.2, 0.3, 0.4, 0.5]) == (-np.inf, np.inf)  # least p 2/32 > 0.05
+    assert np.isfinite(sign_flip_interval([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])).all()  # least p 2/64 < 0.05
+    assert sign_flip_interval([0.1]) is None and sign_flip_interval(np.ones(SIGN_FLIP_MOST + 1)) is None
+    with pytest.raises(ValueError, match="level"):
+        sign_flip_interval([0.1, 0.2], level=1.0)
+
+
+def test_where_the_least_p_value_equals_alpha_the_test_rejects_and_the_interval_is_bounded():
+    """5 differences, α = 2/32: all of one sign gives p = 2/32 ≤ α, so far shifts are rejected."""
+    low, high = sign_flip_interval([0.1, 0.2, 0.3, 0.4, 0.5], level=1 - 2 / 32)
+    assert np.isfinite([low, high]).all() and low < 0.3 < high
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_difference_that_is_not_finite_is_an_error_not_a_p_value(bad):
+    for function in (sign_flip_p, sign_flip_interval, lambda d: bootstrap_mean_interval(d, np.random.default_rng(0))):
+        with pytest.raises(ValueError, match="finite"):
+            function([0.1, bad, 0.2])
