@@ -18,10 +18,10 @@ Prints one JSON object per output row (pattern, prompt, member, tokens, text, re
 import json
 
 import ray
+from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS, recipe_parser
 from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
 from qmc_sampler.cpu_defaults import engine_dtype
-from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS, recipe_parser
 
 
 def stage_config(model: str, replicas: int, batch_size: int, env: dict) -> vLLMEngineProcessorConfig:

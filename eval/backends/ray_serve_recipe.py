@@ -12,11 +12,11 @@ per-request arguments (``qmc_method``, ``qmc_seed``, …).
 import signal
 
 import ray
+from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS, recipe_parser
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 
 from qmc_sampler.cpu_defaults import engine_dtype
-from qmc_sampler.eval.backends.ray_plan import SPARE_CPUS, recipe_parser
 
 
 def llm_config(model: str, replicas: int) -> LLMConfig:
