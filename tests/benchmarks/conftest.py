@@ -27,12 +27,12 @@ def benchmark_script():
 
 @pytest.fixture(scope="session")
 def quick_record(warm_python, tiny_model_dir):
-    """``quick_record(name, out, records)``: ``benchmarks/NAME.py --quick`` on the tiny model into ``out``,
-    in a fork of the warm Python; asserts it succeeded and returns (its argv, the finished process, the
-    records of ``out / records``, a JSONL file)."""
+    """``quick_record(name, out, records, *extra)``: ``benchmarks/NAME.py --quick EXTRA`` on the tiny model
+    into ``out``, in a fork of the warm Python; asserts it succeeded and returns (its argv, the finished
+    process, the records of ``out / records``, a JSONL file)."""
 
-    def run(name: str, out: Path, records: str):
-        argv = ("--quick", "--model", tiny_model_dir, "--out", str(out))
+    def run(name: str, out: Path, records: str, *extra: str):
+        argv = ("--quick", "--model", tiny_model_dir, "--out", str(out), *extra)
         done = warm_python.run([str(BENCHMARKS / f"{name}.py"), *argv], cwd=BENCHMARKS, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return argv, done, [json.loads(line) for line in (out / records).read_text().splitlines()]

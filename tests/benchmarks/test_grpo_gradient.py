@@ -17,10 +17,46 @@ def grpo_gradient(warm_python, *argv: str):
     return warm_python.run([str(SCRIPT), *argv], cwd=SCRIPT.parents[1], timeout=300)
 
 
+#: Six prompts of the tiny model's corpus (the quick form's 2 training and 4 held-out problems).
+PROMPT_TEXTS = ("the quick brown", "sphinx of black quartz", "pack my box with", "how vexingly quick",
+                "one two three", "def add(a, b):")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def quick_run(quick_record, tmp_path_factory):
+def mixed_reward_task(tmp_path_factory, tiny_model_dir, hf_model):
+    """A JSONL task (regex verifier) on which the tiny model's rollouts get mixed rewards: each answer
+    matches the completions that start with one of the first tokens holding the top ≥ 35% of the
+    model's own probability after the prompt. (basic_arithmetic gives the random model 0 on every
+    rollout: zero advantages, zero gradients, nothing of the loss path checked.)"""
+    import re
+
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    special = set(tokenizer.all_special_ids)
+    rows = []
+    for i, text in enumerate(PROMPT_TEXTS):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([tokenizer.encode(text)])).logits[0, -1]
+        chosen, mass = [], 0.0
+        for q, token in zip(*torch.sort(torch.softmax(logits, -1), descending=True), strict=True):
+            if int(token) in special:
+                continue
+            chosen.append(re.escape(tokenizer.decode([int(token)])))
+            mass += float(q)
+            if mass >= 0.35:
+                break
+        rows.append({"id": f"p{i}", "prompt": text, "answer": "^(?:" + "|".join(chosen) + ")"})
+    path = tmp_path_factory.mktemp("grpo-gradient-task") / "first_tokens.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return ["--task", f"jsonl:{path}", "--task-option", "verifier=regex"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_record, tmp_path_factory, mixed_reward_task):
     out = tmp_path_factory.mktemp("grpo-gradient")
-    return out, *quick_record("grpo_gradient", out, "gradient.jsonl")
+    return out, *quick_record("grpo_gradient", out, "gradient.jsonl", *mixed_reward_task)
 
 
 def test_each_prompt_has_two_groups_per_design_and_their_gradient_distances(quick_run):
@@ -28,6 +64,7 @@ def test_each_prompt_has_two_groups_per_design_and_their_gradient_distances(quic
     header, *lines = records
     assert header["identity"]["designs"] == ["iid", "lattice"] and header["identity"]["trl"]["loss_type"] == "dapo"
     assert len(lines) == PROMPTS and len({ln["problem_id"] for ln in lines}) == PROMPTS
+    mixed = 0
     for ln in lines:
         for design in ("iid", "lattice"):
             assert len(ln["groups"][design]) == 2
@@ -36,10 +73,13 @@ def test_each_prompt_has_two_groups_per_design_and_their_gradient_distances(quic
                 assert 1 <= group["distinct_answers_per_group"] <= G and 0 < group["tokens"] <= G * 8
         d = ln["distances"]
         assert len(d["di"]) == 4 and min(d["ii"], d["dd"], *d["di"]) >= 0
-        # a group whose rewards are all equal has zero advantages: its gradient is exactly 0
+        # a group whose rewards are all equal has zero advantages and a gradient of exactly 0; any other,
+        # a gradient that reaches the last layer
         for design, key in (("iid", "iid"), ("lattice", "design")):
             for group, norm in zip(ln["groups"][design], d["norms"][key], strict=True):
-                assert norm == 0 or group["zero_var_share"] < 1.0, (group, norm)
+                assert (norm > 0) == (group["zero_var_share"] < 1.0), (group, norm)
+                mixed += group["zero_var_share"] < 1.0
+    assert mixed >= 1  # the task gives mixed rewards, so the loss path is checked
     assert (
         "gradient error E‖ĝ − g‖² (last layer): iid " in first.stdout and f"{PROMPTS}/{PROMPTS} prompts" in first.stdout
     )
