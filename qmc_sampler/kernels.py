@@ -89,7 +89,7 @@ def _check_kernel_record() -> None:
         raise ImportError("no kernel was built (no qmc_sampler._C)")
     record = Path(spec.origin).with_name(KERNEL_RECORD)
     try:
-        built_with = record.read_text().strip()
+        built_with = record.read_text(encoding="ascii").strip()
     except FileNotFoundError:
         raise ImportError(_rebuild(f"{record} is missing, so the torch it was built against is unknown")) from None
     except (OSError, UnicodeDecodeError) as e:  # unreadable: refused as missing, never raised past the fallback

@@ -45,6 +45,7 @@ def cut_generate_at_stop(model: Any, tokenizer: Any, stop: tuple[str, ...]) -> C
 
     Raises:
         ValueError: the tokenizer has no EOS token (nothing for TRL's mask to stop at).
+        TypeError (from the patched ``generate``): the model's ``generate`` returned no tensor of ids.
     """
     import torch
 
@@ -59,7 +60,9 @@ def cut_generate_at_stop(model: Any, tokenizer: Any, stop: tuple[str, ...]) -> C
     def generate(*args: Any, **kwargs: Any) -> Any:
         out = inner(*args, **kwargs)
         prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
-        if not isinstance(out, torch.Tensor) or out.shape[1] <= prompt:
+        if not isinstance(out, torch.Tensor):  # e.g. return_dict_in_generate: the cut would be skipped unseen
+            raise TypeError(f"model.generate returned {type(out).__name__}, not a tensor of ids: cannot cut at stop")
+        if out.shape[1] <= prompt:
             return out
         out = out.clone()
         for row in range(out.shape[0]):

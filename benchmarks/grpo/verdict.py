@@ -29,8 +29,10 @@ class Plan:
         path: where it was read from, as given. sha256: of its bytes (a later edit is another plan).
         settings: the run identity it fixes (:func:`grpo.plan.identity`'s keys but ``plan``).
         alpha: the two-sided sign-flip test's level for the primary metric.
-        margin: the held-out AUC difference (either sign) that counts as a real one: "no difference"
-            needs the whole interval of the mean difference inside (−margin, margin).
+        margin: the held-out AUC difference (either sign) below which designs count as equivalent:
+            "no difference" needs the whole interval of the mean difference inside (−margin, margin).
+            It governs that verdict only: "faster" and "slower" need the test to reject, whatever
+            the size of the difference.
         threshold: the held-out reward of the secondary steps-to-threshold metric.
     """
 
@@ -127,7 +129,8 @@ def decide(diffs: list[float], alpha: float, margin: float) -> Decision:
     * **faster**: the sign-flip test rejects no difference (p ≤ alpha) and the mean difference is > 0;
     * **slower**: it rejects and the mean is < 0;
     * **no difference**: it does not reject, and the interval of the mean difference (the inverted
-      test at 1 − alpha) lies inside (−margin, margin): any real difference is smaller than the margin;
+      test at 1 − alpha) lies inside (−margin, margin): any real difference is smaller than the margin
+      (an equivalence test at alpha/2 a side, so conservative at alpha);
     * **inconclusive**: neither (too few seeds or too much noise to tell).
 
     Args:
