@@ -26,7 +26,8 @@ __all__ = [
 
 #: ``--ray-device``: where the replicas run (``auto``: on GPUs where the cluster has any, else on CPUs).
 DEVICES = ("auto", "cpu", "gpu")
-#: Logical CPUs a local cluster gets beyond the replicas' own, for Ray Data's other tasks.
+#: Logical CPUs a local cluster gets beyond the replicas' own, for Ray Data's other tasks (in the Ray Serve
+#: recipe: Serve's own actors).
 SPARE_CPUS = 2
 #: The driver's ``VLLM_*`` variables the replicas get: settings of the engine, the same on every node.
 #: Host-specific ones (``VLLM_HOST_IP``, ``VLLM_PORT``, ``VLLM_CACHE_ROOT``, ``VLLM_DP_*``, …) are not passed.

@@ -69,8 +69,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompts", nargs="+", default=["The capital of France is", "def fibonacci(n):"])
     args = p.parse_args()
-    # a local cluster: logical CPUs for the replicas and for Ray Data's own tasks
-    ray.init(address=args.address) if args.address else ray.init(num_cpus=args.replicas + SPARE_CPUS)
+    if args.address:
+        ray.init(address=args.address)
+    else:  # a local cluster: logical CPUs for the replicas and for Ray Data's own tasks
+        ray.init(num_cpus=args.replicas + SPARE_CPUS)
     # Start every replica before rows flow, so the rows spread over all of them.
     ray.data.DataContext.get_current().wait_for_min_actors_s = 1800
     G = args.group_size

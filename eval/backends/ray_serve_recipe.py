@@ -43,8 +43,10 @@ def main() -> None:
     p = recipe_parser(replicas=1)
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args()
-    # a local cluster: logical CPUs for the replicas and for Serve's own actors
-    ray.init(address=args.address) if args.address else ray.init(num_cpus=args.replicas + SPARE_CPUS)
+    if args.address:
+        ray.init(address=args.address)
+    else:  # a local cluster: logical CPUs for the replicas and for Serve's own actors
+        ray.init(num_cpus=args.replicas + SPARE_CPUS)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
