@@ -67,6 +67,11 @@ SLOW_TIER = (
     "benchmarks/test_gpu_check.py",  # [48] make gpu-check's dry run
     "eval/backends/test_ray_driver.py",  # [31] a Ray cluster of its own
     "benchmarks/test_grpo_gradient.py",  # [45] TRL generation and loss per group, on the worker Ray leaves free
+    "vllm_plugin/test_vllm_openai_server.py",  # [171] two of vLLM's OpenAI servers with the plugin
+    "benchmarks/test_ci_coverage.py",  # [90] the intervals' coverage over many simulated runs
+    "core/test_triton_kernel.py",  # [61] the kernel under Triton's interpreter, in a pytest of its own
+    "server/test_data_parallel.py",  # [60] a data-parallel server of two engines
+    "vllm_plugin/test_release_layouts.py",  # [40] vLLM's entry points under other releases' layouts
 )
 
 TIERS = ("all", "fast", "slow")
