@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         pairs = sorted(set(runs) & set(others))
         if len(pairs) < 2:
             p.error(f"--paired-with: {len(pairs)} seed(s) run in both streams; an SD needs 2 pairs")
+        mixed = [s for s in pairs if runs[s]["cpu"] != others[s]["cpu"]]
+        if mixed:  # a machine's own numerics move a run too: that noise is then in the differences and their SD
+            cpus = "; ".join(f"seed {s}: {runs[s]['cpu']} and {others[s]['cpu']}" for s in mixed)
+            print(f"warning: {len(mixed)} of {len(pairs)} pairs ran on two CPUs ({cpus}): their differences "
+                  "hold the machines' difference too", flush=True)  # fmt: skip
         diffs = [auc(others[s]["heldout"], steps) - auc(runs[s]["heldout"], steps) for s in pairs]
         pilot_sd = float(np.std(diffs, ddof=1))
         where = f"A/A differences (seeds {pairs}): {', '.join(f'{d:+.4f}' for d in diffs)}; their SD {pilot_sd:.4f}"
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 def _iid_runs(names: list[str], p: Any) -> tuple[dict[str, Any], dict[int, dict]]:
     """The identity and the finished iid runs (by seed) of files written with the same settings; a seed
     in two files is refused (the same settings and seed are the same run: counted twice, it lowers the SD)."""
-    from grpo.records import read_lines
+    from grpo.records import read_lines, run_cpu
     from grpo.report import curves
 
     runs: dict[int, dict] = {}
@@ -150,6 +155,8 @@ def _iid_runs(names: list[str], p: Any) -> tuple[dict[str, Any], dict[int, dict]
         ident = records[0]["identity"]
         idents.append(ident)
         found = curves(records, ident["designs"], list(range(ident["seeds"])))["iid"]
+        for run in found.values():
+            run["cpu"] = run_cpu(run.get("end"), records[0])
         twice = sorted(set(found) & set(runs))
         if twice:
             p.error(f"{name}: iid seed {twice[0]} is also in an earlier file: the same run, counted once only")

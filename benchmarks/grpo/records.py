@@ -108,6 +108,12 @@ def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
     staging.replace(path)
 
 
+def run_cpu(end: dict[str, Any] | None, header: dict[str, Any]) -> str | None:
+    """The CPU a finished run ran on: its end line's (written since runs of one file came from several
+    machines), else the file's header's (the machine that started the file); None where neither says."""
+    return (end or {}).get("cpu") or header.get("cpu")
+
+
 def write_header(path: Path, ident: dict[str, Any]) -> None:
     """Start the file ``path`` (and its folder) with its header line: the identity, the CPU, the versions."""
     from qmc_sampler.cpu_defaults import describe_cpu

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from grpo.records import END, STEP, read_lines
+from grpo.records import END, STEP, read_lines, run_cpu
 from grpo.verdict import decide, differing_settings, rising_share, steps_to
 
 
@@ -238,8 +239,10 @@ def report(path: Path) -> None:
     ident = records[0]["identity"]
     runs = curves(records, ident["designs"], list(range(ident["seeds"])))
     options = "".join(f", {k}={v}" for k, v in (ident.get("task_options") or {}).items())
+    cpus = Counter(run_cpu(run.get("end"), records[0]) for by_seed in runs.values() for run in by_seed.values())
+    machines = " + ".join(f"{cpu} ({n} runs)" for cpu, n in cpus.items()) if len(cpus) > 1 else records[0]["cpu"]
     title = (
-        f"{records[0]['cpu']}; model {ident['model'] or 'SmolLM2-135M-Instruct'}, {ident['task']}{options}, "
+        f"{machines}; model {ident['model'] or 'SmolLM2-135M-Instruct'}, {ident['task']}{options}, "
         f"G = {ident['generations']}, {ident['prompts']} prompts/step, lr {ident['learning_rate']:g}, "
         f"{ident['heldout']} held-out problems"
     )

@@ -278,10 +278,13 @@ def run_one(args: argparse.Namespace, design: str, seed: int, ctx: dict[str, Any
                 uncut()
             if recorder.handle is not None:
                 recorder.handle.restore()
+    from qmc_sampler.cpu_defaults import describe_cpu
+
     end = {
         "type": END,
         "design": design,
         "seed": seed,
+        "cpu": describe_cpu(),  # a file's runs can come from several machines (sessions); the header names the first
         "wall_s": round(time.perf_counter() - start, 3),
         "qmc": recorder.counters(),
         "batch_warnings": recorder.warnings,

@@ -61,6 +61,7 @@ def test_the_record_has_a_header_a_line_per_design_seed_and_step_and_an_end_per_
     steps = [(r["design"], r["seed"], r["step"]) for r in rest if r["type"] == "step"]
     assert steps == [(d, 0, s) for d in ("iid", "lattice") for s in range(STEPS + 1)]  # step 0: before training
     assert [(r["design"], r["seed"]) for r in rest if r["type"] == "end"] == [("iid", 0), ("lattice", 0)]
+    assert {r["cpu"] for r in rest if r["type"] == "end"} == {header["cpu"]}  # each run names its machine
     for r in rest:
         if r["type"] == "step" and r["step"] > 0:
             assert 0 <= r["reward_mean"] <= 1 and 0 <= r["zero_var_share"] <= 1, r

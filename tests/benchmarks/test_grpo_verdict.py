@@ -240,16 +240,16 @@ def test_seeds_needed_is_the_least_n_whose_t_test_has_the_power_searched_from_tw
     assert grpo.power.seeds_needed(sd, 0.05, power=power) == max(least, grpo.power.LEAST_SEEDS)
 
 
-def pilot_file(path, curves_by_seed, steps=4, only=None, stream=0):
-    """A pilot's steps.jsonl: a header and, per seed (those of ``only``, or all), its held-out points and
-    an end line."""
+def pilot_file(path, curves_by_seed, steps=4, only=None, stream=0, cpus=None):
+    """A pilot's steps.jsonl: a header (CPU A) and, per seed (those of ``only``, or all), its held-out
+    points and an end line (naming ``cpus[seed]``, where given, as the run's CPU)."""
     ident = {"designs": ["iid", "lattice"], "seeds": len(curves_by_seed), "steps": steps, "rollout_stream": stream}
-    lines = [{"type": "header", "identity": ident}]
+    lines = [{"type": "header", "identity": ident, "cpu": "CPU: A"}]
     for seed, curve in enumerate(curves_by_seed):
         if only is not None and seed not in only:
             continue
         lines += [{"type": "step", "design": "iid", "seed": seed, "step": t, "heldout_reward": r} for t, r in curve]
-        lines.append({"type": "end", "design": "iid", "seed": seed})
+        lines.append({"type": "end", "design": "iid", "seed": seed} | ({"cpu": cpus[seed]} if cpus else {}))
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return str(path)
 
@@ -308,3 +308,20 @@ def test_a_pilot_whose_curve_does_not_rise_gets_one_line_and_exit_code_2(grpo, t
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("power.py: error: the pilot's mean curve does not rise") and err.count("\n") == 1
+
+
+def test_an_a_a_pair_run_on_two_cpus_is_named_in_a_warning(grpo, tmp_path, capsys):
+    """A run's CPU is its end line's, else its file header's: seed 1 of stream 1 ran on CPU B, so its pair
+    (the other on A, by its header) mixes machines; the pairs on one CPU are not named."""
+    curves = [[(0, 0.2), (2, 0.4), (4, 0.5)], [(0, 0.2), (2, 0.3), (4, 0.4)], [(0, 0.2), (2, 0.5), (4, 0.6)]]
+    other = [[(t, r + 0.02 * seed) for t, r in c] for seed, c in enumerate(curves)]
+    a = pilot_file(tmp_path / "a.jsonl", curves)
+    b = pilot_file(tmp_path / "b.jsonl", other, stream=1, cpus=["CPU: A", "CPU: B", "CPU: A"])
+    assert grpo.power.main([a, "--paired-with", b]) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 1 of 3 pairs ran on two CPUs (seed 1: CPU: A and CPU: B): their differences hold the machines' "
+        "difference too"
+    ]
+    assert grpo.power.main([a, "--paired-with", pilot_file(tmp_path / "c.jsonl", other, stream=1)]) == 0
+    assert "warning:" not in capsys.readouterr().out
