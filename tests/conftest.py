@@ -59,7 +59,8 @@ COSTLIEST_FIRST = (
 #: gpu-check's dry run) take most of the suite's time. ``make test`` (``--tier fast``) runs everything
 #: else, the loop a contributor runs after an edit; ``make test-slow`` (``--tier slow``) runs these;
 #: ``.ci/run`` runs both, and a plain ``pytest`` (``--tier all``) the whole suite.
-#: (With QMC_FORCE_AVX2=1 on a 2-core AMD EPYC: the fast tier 363 s, these 57 tests 379 s.)
+#: (On a 2-core AVX2-only AMD EPYC: the fast tier 403 s, these 82 tests 826 s. Bracketed: a module's
+#: worker-seconds, the last five's on that CPU, the first six's on an AVX-512 EPYC.)
 SLOW_TIER = (
     "eval/backends/test_ray.py",  # [517] Ray replicas: the CLI's two, the recipes' four, Ray Serve's
     "benchmarks/test_quick_forms.py",  # [168] each quick form starts its own servers
