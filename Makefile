@@ -31,8 +31,9 @@ $(STAMP): setup.py pyproject.toml csrc/cpu_sampling.cpp | $(BIN)/python
 	$(BIN)/pip install --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# make test: ruff and every test but the slow tier (tests/conftest.py's SLOW_TIER: Ray replicas, several
-# servers, mutants' pytests), the loop to run after an edit; make test-slow: that tier; .ci/run: both.
+# make test: ruff and every test but the slow tier (tests/conftest.py's SLOW_TIER: Ray replicas, vLLM's
+# OpenAI servers, mutants' pytests, simulations, the Triton interpreter), the loop to run after an edit;
+# make test-slow: that tier; .ci/run: both.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest --tier fast

@@ -90,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the grpo package bes
 
 from grpo.data import split_problems
 from grpo.plan import eval_steps, identity, model_dir, parse_args, settings
-from grpo.records import open_results, read_lines
+from grpo.records import open_results
 from grpo.report import report
 from grpo.training import run_one
 
@@ -127,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     if todo:
         from transformers import AutoTokenizer
 
+        from qmc_sampler.cpu_defaults import describe_cpu
+
         if args.use_vllm:
             print(VLLM_WARNING.format(mode=args.use_vllm), flush=True)
         folder = folder or model_dir(args, p)
         print(
-            f"{read_lines(path)[0][0]['cpu']}; {len(train)} training prompts, {len(heldout)} held-out; "
+            f"{describe_cpu()}; {len(train)} training prompts, {len(heldout)} held-out; "
             f"runs to do: {len(todo)} of {len(args.designs) * args.seeds}",
             flush=True,
         )

@@ -32,7 +32,7 @@ REQUIRED_FOR_CI = ("vllm", "reasoning_gym", "trl", "lm_eval", "openai", "ray")
 COSTLIEST_FIRST = (
     "eval/backends/test_ray.py",  # [~300] one Ray cluster; the CLI's two replicas, the recipes' four, Ray Serve
     "benchmarks/test_quick_forms.py",  # [150] each quick form starts its own servers
-    "vllm_plugin/test_vllm_openai_server.py",  # [70] two servers
+    "vllm_plugin/test_vllm_openai_server.py",  # [171] two servers
     "mutation/test_mutants.py",  # [70] a pytest per mutant, some with an engine
     "eval/backends/test_endpoints.py",  # [60] two replicas, a third for the SIGTERM test; the until-correct recipe
     "benchmarks/test_gpu_check.py",  # [45] make gpu-check's dry run
@@ -55,8 +55,9 @@ COSTLIEST_FIRST = (
 )
 
 
-#: The slow tier: modules whose start-ups (Ray replicas, several servers, a pytest per mutant, make
-#: gpu-check's dry run) take most of the suite's time. ``make test`` (``--tier fast``) runs everything
+#: The slow tier: modules whose start-ups and simulations (Ray replicas, several servers, a pytest per
+#: mutant, make gpu-check's dry run, the Triton interpreter, the intervals' coverage) take most of the
+#: suite's time. ``make test`` (``--tier fast``) runs everything
 #: else, the loop a contributor runs after an edit; ``make test-slow`` (``--tier slow``) runs these;
 #: ``.ci/run`` runs both, and a plain ``pytest`` (``--tier all``) the whole suite.
 #: (On a 2-core AVX2-only AMD EPYC: the fast tier 403 s, these 82 tests 826 s. Bracketed: a module's
@@ -67,7 +68,7 @@ SLOW_TIER = (
     "mutation/test_mutants.py",  # [69] a pytest per mutant, some with an engine
     "benchmarks/test_gpu_check.py",  # [48] make gpu-check's dry run
     "eval/backends/test_ray_driver.py",  # [31] a Ray cluster of its own
-    "benchmarks/test_grpo_gradient.py",  # [45] TRL generation and loss per group, on the worker Ray leaves free
+    "benchmarks/test_grpo_gradient.py",  # [45] TRL generation and loss per group
     "vllm_plugin/test_vllm_openai_server.py",  # [171] two of vLLM's OpenAI servers with the plugin
     "benchmarks/test_ci_coverage.py",  # [90] the intervals' coverage over many simulated runs
     "core/test_triton_kernel.py",  # [61] the kernel under Triton's interpreter, in a pytest of its own

@@ -108,10 +108,12 @@ def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
     staging.replace(path)
 
 
-def run_cpu(end: dict[str, Any] | None, header: dict[str, Any]) -> str | None:
+def run_cpu(end: dict[str, Any] | None, header: dict[str, Any]) -> str:
     """The CPU a finished run ran on: its end line's (written since runs of one file came from several
-    machines), else the file's header's (the machine that started the file); None where neither says."""
-    return (end or {}).get("cpu") or header.get("cpu")
+    machines), else the file's header's (the machine that started the file), else ``"unknown CPU"``.
+    It is :func:`qmc_sampler.cpu_defaults.describe_cpu`'s line: the model and the cores a process may use
+    (so a run under another ``taskset`` counts as another CPU), not ``QMC_FORCE_AVX2``'s ISA."""
+    return (end or {}).get("cpu") or header.get("cpu") or "unknown CPU"
 
 
 def write_header(path: Path, ident: dict[str, Any]) -> None:

@@ -325,3 +325,25 @@ def test_an_a_a_pair_run_on_two_cpus_is_named_in_a_warning(grpo, tmp_path, capsy
     ]
     assert grpo.power.main([a, "--paired-with", pilot_file(tmp_path / "c.jsonl", other, stream=1)]) == 0
     assert "warning:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("cpus", "title"),
+    [
+        (["CPU: B", "CPU: B"], "CPU: B; model"),  # the runs' own CPU, not the header's machine that started the file
+        (["CPU: A", "CPU: B"], "CPU: A (1 runs) + CPU: B (1 runs); model"),
+    ],
+)
+def test_the_reports_title_names_the_cpus_its_runs_ran_on(grpo, tmp_path, capsys, cpus, title):
+    ident = {"model": None, "task": "basic_arithmetic", "task_options": {}, "designs": ["iid", "lattice"],
+             "seeds": 1, "steps": 2, "generations": 4, "prompts": 2, "learning_rate": 1e-6, "heldout": 8,
+             "eval_every": 2}  # fmt: skip
+    lines = [{"type": "header", "identity": ident, "cpu": "CPU: A"}]
+    for design, cpu in zip(ident["designs"], cpus, strict=True):
+        lines += [{"type": "step", "design": design, "seed": 0, "step": t, "heldout_reward": 0.2 + 0.1 * t}
+                  for t in (0, 2)]  # fmt: skip
+        lines.append({"type": "end", "design": design, "seed": 0, "cpu": cpu})
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    grpo.report.report(path)
+    assert f"\n{title} " in capsys.readouterr().out
