@@ -240,9 +240,12 @@ def report(path: Path) -> None:
     runs = curves(records, ident["designs"], list(range(ident["seeds"])))
     options = "".join(f", {k}={v}" for k, v in (ident.get("task_options") or {}).items())
     cpus = Counter(run_cpu(run.get("end"), records[0]) for by_seed in runs.values() for run in by_seed.values())
-    # The runs' own CPUs: a file started on one machine may hold only runs finished on another.
-    machines = " + ".join(f"{cpu} ({n} runs)" for cpu, n in cpus.items()) if len(cpus) > 1 else next(iter(cpus), "")
-    machines = machines or records[0].get("cpu", "unknown CPU")
+    # The runs' own CPUs: a file started on one machine may hold only runs finished on another. With no
+    # finished run, the header's (run_cpu's own fallback).
+    if len(cpus) > 1:
+        machines = " + ".join(f"{cpu} ({n} runs)" for cpu, n in cpus.items())
+    else:
+        machines = next(iter(cpus), run_cpu(None, records[0]))
     title = (
         f"{machines}; model {ident['model'] or 'SmolLM2-135M-Instruct'}, {ident['task']}{options}, "
         f"G = {ident['generations']}, {ident['prompts']} prompts/step, lr {ident['learning_rate']:g}, "
